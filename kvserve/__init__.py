@@ -1,0 +1,11 @@
+"""kvserve: a KV-cache-first LLM inference engine."""
+
+from kvserve.cache.kv_cache_manager import KVCacheStats
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine.engine import InvalidRequestError, LLMEngine, RequestOutput
+from kvserve.engine.sampling import SamplingParams
+from kvserve.llm import LLM
+
+__all__ = ["LLM", "ConfigError", "EngineConfig", "InvalidRequestError", "KVCacheStats", "LLMEngine",
+           "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Memory management for the paged KV cache. Knows nothing about models."""

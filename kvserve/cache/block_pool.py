@@ -1,0 +1,126 @@
+"""Physical KV blocks: reference counts and an O(1) free queue.
+
+Block 0 is the *null block*: it is never handed out and its slots stay zero, so padded
+gathers in the attention op can point at it without reading uninitialised memory.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheBlock:
+    """One physical block of ``block_size`` token slots in every layer's K and V."""
+
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove.
+
+    Invariant: a block is in the queue exactly when its ref_cnt is 0. Blocks are taken
+    from the front and returned to the back, so the front holds the least recently freed
+    block (the natural LRU order for prefix-cache eviction).
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev_block, next_block = block.prev_free, block.next_free
+        if prev_block is None or next_block is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev_block.next_free = next_block
+        next_block.prev_free = prev_block
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Owns every block. Only the KVCacheManager talks to it.
+
+    Invariants: ref_cnt >= 0; a block with ref_cnt > 0 is not in the free queue;
+    num_free_blocks + blocks in use == num_blocks - 1 (the null block is in neither).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # pinned forever
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    def get_new_blocks(self, count: int) -> list[KVCacheBlock]:
+        """Take ``count`` free blocks (ref_cnt becomes 1). Raises if the pool is short."""
+        if count > self.num_free_blocks:
+            raise ValueError(f"asked for {count} blocks, only {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero return to the queue.
+
+        Callers pass a sequence's blocks tail-first so that, in LRU order, the end of a
+        chain is reused before its beginning.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)

@@ -1,0 +1,130 @@
+"""Command line: ``kvserve generate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvserve.config import ConfigError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF folder (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block, power of two 1..256")
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (overrides utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory for weights+activations+KV (CPU: of RAM)")
+    g.add_argument("--device-memory", default=None, help="device memory to plan against, e.g. 24GB")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+        "kv_cache_dtype": args.kv_cache_dtype, "seed": args.seed,
+    }
+
+
+def read_prompts(path: Path) -> list[Any]:
+    """Plain text: one prompt per line. JSONL: objects with "prompt", "text" or "messages"."""
+    if not path.exists():
+        raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
+    prompts: list[Any] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+            for key in ("messages", "prompt", "text"):
+                if key in obj:
+                    prompts.append(obj[key])
+                    break
+            else:
+                raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
+        else:
+            prompts.append(line)
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    prompts: list[Any] = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts(Path(args.prompts_file))
+    if not prompts:
+        raise ConfigError("no prompts: give PROMPT arguments or --prompts-file")
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    inputs: list[Any] = []
+    for p in prompts:
+        if isinstance(p, list) or args.chat:
+            messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
+            inputs.append(llm.apply_chat_template(messages))
+        else:
+            inputs.append(p)
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        shown = prompt if isinstance(prompt, str) else json.dumps(prompt)[:200]
+        print(f"--- [{i}] {shown}")
+        print(out.text.strip())
+        print(f"    ({len(out.prompt_token_ids)} prompt + {len(out.token_ids)} generated tokens, "
+              f"finish={out.finish_reason}, preempted {out.num_preemptions}x, TTFT {out.metrics['ttft']:.2f}s)")
+    generated = sum(len(o.token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    print(f"\n{len(outputs)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.2f}s "
+          f"({generated / elapsed:.1f} output tok/s)")
+    print(llm.kv_stats())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-first LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts with continuous batching")
+    gen.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
+    gen.add_argument("--prompts-file", help="text file (one prompt per line) or .jsonl")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(gen)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except ValueError as e:  # ConfigError, InvalidRequestError, ModelLoadError
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

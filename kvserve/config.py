@@ -1,0 +1,101 @@
+"""User-facing engine configuration, validated once at construction.
+
+Names follow vLLM's engine arguments so that flags carry over unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
+}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto",)
+
+
+class ConfigError(ValueError):
+    """A user-supplied setting is invalid; the message names the setting and the value."""
+
+
+def parse_size(value: str | int | float, name: str = "size") -> int:
+    """Parse "2GiB", "512MB", "1.5G" or a plain byte count into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte size like '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        nbytes = int(value)
+    else:
+        match = _SIZE_RE.match(value)
+        if not match:
+            raise ConfigError(f"{name}: cannot parse {value!r} as a byte size (try '2GiB' or '512MB')")
+        number, unit = match.groups()
+        nbytes = int(float(number) * _UNITS[(unit or "").lower()])
+    if nbytes <= 0:
+        raise ConfigError(f"{name}: must be positive, got {value!r}")
+    return nbytes
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.2f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def machine_memory_bytes() -> int:
+    """Physical RAM: the 'device memory' of a CPU run."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every knob of the engine. Sizes may be given as strings ("64MiB")."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    device_memory: int | str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256 or (
+            self.block_size & (self.block_size - 1)
+        ):
+            raise ConfigError(f"block_size must be a power of two in 1..256, got {self.block_size!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        if self.device_memory is not None:
+            self.device_memory = parse_size(self.device_memory, "device_memory")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")

@@ -1,0 +1,1 @@
+"""Scheduling, sampling and the engine loop."""

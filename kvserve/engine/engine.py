@@ -1,0 +1,331 @@
+"""LLMEngine: load the model, size the pool, and step(): schedule -> run -> sample -> update."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.cache.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget
+from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
+from kvserve.config import ConfigError, EngineConfig, format_bytes, machine_memory_bytes
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
+
+logger = logging.getLogger("kvserve")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InvalidRequestError(ValueError):
+    """A request was rejected at submission; the message names the bad value."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    num_preemptions: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def estimate_activation_bytes(config: ModelConfig, num_tokens: int, max_num_seqs: int, max_model_len: int,
+                              elem_bytes: int) -> int:
+    """Upper estimate of the forward pass's transient memory (used on CPU, where there is no
+    allocator to profile): a few residual-stream copies, the fused projections, one prefill's
+    attention scores, and float32 logits for every sampled row."""
+    per_token = 4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    per_token += 3 * config.intermediate_size
+    scores = config.num_heads * num_tokens * min(max_model_len, num_tokens + max_model_len) * 4
+    logits = 2 * max_num_seqs * config.vocab_size * 4
+    return per_token * num_tokens * elem_bytes + scores + logits
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        dtype_name = config.dtype if config.dtype != "auto" else (
+            "bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[dtype_name]
+        self.model_path = resolve_model_path(config.model)
+        model_config, weights = load_checkpoint(self.model_path)
+        self.model_config = model_config
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = self._max_model_len()
+
+        model = LlamaForCausalLM(model_config, self.max_model_len)
+        model.load_weights(weights)
+        del weights
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rope_cos = self.model.rope_cos.float()
+        self.model.rope_sin = self.model.rope_sin.float()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype)
+        self.num_blocks = self._size_pool()
+        self.kv_cache = PagedKVCache(
+            model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
+            model_config.head_dim, self.dtype, self.device)
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    # ------------------------------------------------------------------ start-up sizing
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len={self.config.max_model_len} exceeds the model's context length {limit}")
+        return self.config.max_model_len or limit
+
+    def _size_pool(self) -> int:
+        cfg = self.config
+        block_bytes = cfg.block_size * self.kv_bytes_per_token
+        if cfg.kv_cache_memory is not None:
+            budget = int(cfg.kv_cache_memory)
+            source = f"kv_cache_memory={format_bytes(budget)}"
+        else:
+            if cfg.device_memory is not None:
+                total = int(cfg.device_memory)
+            elif self.device.type == "cuda":
+                total = torch.cuda.get_device_properties(self.device).total_memory
+            else:
+                total = machine_memory_bytes()
+            activations = self._activation_peak()
+            budget = int(total * cfg.gpu_memory_utilization) - self.weight_bytes - activations
+            source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {format_bytes(total)} "
+                      f"- weights {format_bytes(self.weight_bytes)} - activations {format_bytes(activations)}")
+            if budget <= 0:
+                raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
+        num_blocks = num_blocks_for_budget(budget, cfg.block_size, self.kv_bytes_per_token)
+        if num_blocks < 2:
+            raise ConfigError(
+                f"{source} is smaller than one KV block of {cfg.block_size} tokens "
+                f"({format_bytes(2 * block_bytes)} needed with the reserved null block)")
+        capacity = (num_blocks - 1) * cfg.block_size
+        if capacity < self.max_model_len:
+            if cfg.max_model_len is not None:
+                raise ConfigError(
+                    f"{source} holds {capacity} tokens, fewer than one sequence of max_model_len="
+                    f"{cfg.max_model_len} needs ({format_bytes(self.max_model_len * self.kv_bytes_per_token)})")
+            logger.warning("max_model_len lowered from %d to %d tokens to fit the KV cache",
+                           self.max_model_len, capacity)
+            self.max_model_len = capacity
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d token slots, %s (%s, %d B/token, from %s); "
+            "maximum concurrency for %d tokens per request: %.2fx",
+            num_blocks - 1, cfg.block_size, capacity, format_bytes(num_blocks * block_bytes),
+            str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token, source, self.max_model_len,
+            capacity / self.max_model_len)
+        return num_blocks
+
+    def _activation_peak(self) -> int:
+        cfg, mcfg = self.config, self.model_config
+        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        if self.device.type != "cuda":
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            return estimate_activation_bytes(mcfg, tokens, cfg.max_num_seqs, self.max_model_len, elem)
+        # Profile one max-size prefill against a throwaway pool sized for it.
+        bs = cfg.block_size
+        blocks = -(-tokens // bs) + 1
+        scratch = PagedKVCache(mcfg.num_layers, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        manager = KVCacheManager(blocks, bs)
+        runner = ModelRunner(self.model, scratch, manager, self.device)
+        dummy = Request("profile", [0] * tokens, SamplingParams(max_tokens=1), -1)
+        manager.allocate_slots("profile", tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        from kvserve.engine.scheduler import ScheduledChunk
+
+        runner.execute([ScheduledChunk(dummy, tokens)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass prompt_token_ids instead of text")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False) -> Request:
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        if not self.kv_manager.can_ever_fit(len(token_ids)):
+            raise InvalidRequestError(
+                f"prompt of {len(token_ids)} tokens can never fit in the KV pool "
+                f"({self.kv_manager.capacity_tokens} token slots)")
+        arrival = next(self._arrivals)
+        request_id = request_id or f"req-{arrival}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator().manual_seed(params.seed)
+        request = Request(request_id, token_ids, params, arrival, prompt=text, generator=generator, stream=stream)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, "abort")
+            request.finish_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching; returns outputs of requests that advanced."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        sampled, result = self.runner.execute(chunks)
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        outputs = []
+        now = time.monotonic()
+        for row, chunk in enumerate(sampled):
+            assert result is not None
+            request = chunk.request
+            token = result.token_ids[row]
+            request.output_token_ids.append(token)
+            if result.logprobs is not None and request.params.logprobs is not None:
+                request.output_logprobs.append(result.logprobs[row])
+                if result.top_logprobs is not None:
+                    request.output_top_logprobs.append(result.top_logprobs[row])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            previous_text = request.output_text
+            self._check_stop(request, token)
+            if request.finished:
+                request.finish_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request, [token], previous_text))
+        self.kv_manager.record_step()
+        return outputs
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        reason: str | None = None
+        incremental = bool(params.stop) or request.stream
+        if incremental:
+            request.output_text = self._decode(request.output_token_ids)
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason, request.stop_reason = "stop", token
+        elif params.stop:
+            text = request.output_text
+            for stop in params.stop:
+                at = text.find(stop, max(0, len(text) - len(stop) - 16))
+                if at >= 0:
+                    end = at + len(stop) if params.include_stop_str_in_output else at
+                    request.output_text = text[:end]
+                    reason, request.stop_reason = "stop", stop
+                    break
+        if reason is None and (
+            len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            if not incremental:
+                request.output_text = self._decode(request.output_token_ids)
+            self.scheduler.finish(request, reason)
+
+    def _output(self, request: Request, new_tokens: list[int], previous_text: str) -> RequestOutput:
+        text = request.output_text
+        # Hold back a trailing partial UTF-8 character until it completes.
+        stable = text if request.finished or not text.endswith("\ufffd") else text.rstrip("\ufffd")
+        new_text = stable[len(previous_text.rstrip("\ufffd")):] if stable.startswith(
+            previous_text.rstrip("\ufffd")) else stable
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["ttft"] = request.first_token_time - request.arrival_time
+        if request.finish_time is not None:
+            metrics["e2e"] = request.finish_time - request.arrival_time
+        want_logprobs = request.params.logprobs is not None
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if want_logprobs else None,
+            top_logprobs=list(request.output_top_logprobs) if want_logprobs else None,
+            num_preemptions=request.num_preemptions,
+            metrics=metrics,
+        )
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv_manager.stats()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model_path), "device": str(self.device), "dtype": str(self.dtype),
+            "max_model_len": self.max_model_len, "num_blocks": self.num_blocks - 1,
+            "block_size": self.config.block_size, "kv_bytes_per_token": self.kv_bytes_per_token,
+        }

@@ -1,0 +1,85 @@
+"""Turns a scheduled step into tensors, runs the model and samples.
+
+Batch layout: decode-like chunks (one new token each) first, sharing one attention group;
+then each multi-token prefill chunk as its own group. Logits are computed only for the
+last token of chunks that complete their sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.engine.sampling import SampleResult, sample
+from kvserve.engine.scheduler import ScheduledChunk
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, build_gather_index
+from kvserve.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, kv_manager: KVCacheManager,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv = kv_manager
+        self.device = device
+        self.block_size = kv_manager.block_size
+
+    def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
+        """One SDPA call for chunks of equal query length (all 1, or a single prefill)."""
+        query_len = chunks[0].num_tokens
+        seq_lens = [c.request.num_computed_tokens + c.num_tokens for c in chunks]
+        tables = [self.kv.block_ids(c.request.request_id) for c in chunks]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        lens = torch.tensor(seq_lens, device=self.device)
+        kv_len = max(seq_lens)
+        gather = build_gather_index(block_tables, lens, self.block_size, kv_len)
+        # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it.
+        key_pos = torch.arange(kv_len, device=self.device)
+        query_pos = lens[:, None] - query_len + torch.arange(query_len, device=self.device)[None, :]
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
+        return AttentionGroup(token_start, len(chunks), query_len, gather, mask)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:
+        """Run one step. Returns the chunks that sampled (in order) and their samples."""
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        for chunk in ordered:
+            request = chunk.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
+            input_ids += request.token_ids(start, end)
+            positions += range(start, end)
+            slots += self.kv.slot_mapping(request.request_id, start, end)
+            if chunk.completes_sequence:
+                logit_rows.append(len(input_ids) - 1)
+                sampled.append(chunk)
+        groups: list[AttentionGroup] = []
+        if decodes:
+            groups.append(self._group(decodes, 0))
+        offset = len(decodes)
+        for chunk in prefills:
+            groups.append(self._group([chunk], offset))
+            offset += chunk.num_tokens
+        meta = AttentionMetadata(torch.tensor(slots, device=self.device), groups)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_cache.key_caches,
+            self.kv_cache.value_caches,
+            meta,
+        )
+        if not sampled:
+            return [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        params = [c.request.params for c in sampled]
+        generators = [c.request.generator for c in sampled]
+        return sampled, sample(logits, params, generators)

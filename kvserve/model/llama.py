@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+RoPE with the config's theta and scaling, RMSNorm, GQA, SwiGLU, optional QKV bias
+(Qwen2) and per-head q/k RMSNorm (Qwen3). Q/K/V and gate/up projections are fused at
+load time to cut per-layer kernel launches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.loader import ModelConfig, ModelLoadError
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq.float()
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D]. Split-halves (HF) rotary layout."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.eps = config.rms_norm_eps
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if config.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if config.qk_norm else None
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_layernorm, self.eps)
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+        hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for the flat batch of tokens."""
+        hidden = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)
+        for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches, strict=True):
+            hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named float32 weights in, fusing q/k/v and gate/up."""
+        weights = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"checkpoint is missing weight {name!r}")
+            return weights.pop(name)
+
+        def put(param: Any, tensor: torch.Tensor) -> None:
+            if param.shape != tensor.shape:
+                raise ModelLoadError(f"weight shape {tuple(tensor.shape)} does not match {tuple(param.shape)}")
+            param.copy_(tensor)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
+        put(self.norm, take("model.norm.weight"))
+        lm_head = weights.pop("lm_head.weight", None)
+        if lm_head is None:  # tied embeddings share one tensor
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            put(self.lm_head.weight, lm_head)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"))
+            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"))
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            put(layer.qkv_proj.weight, torch.cat(qkv))
+            if layer.qkv_proj.bias is not None:
+                put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+            if layer.q_norm is not None and layer.k_norm is not None:
+                put(layer.q_norm, take(p + "self_attn.q_norm.weight"))
+                put(layer.k_norm, take(p + "self_attn.k_norm.weight"))
+            gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            put(layer.gate_up_proj.weight, torch.cat(gate_up))
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"))
+        leftovers = [k for k in weights if "rotary_emb" not in k]
+        if leftovers:
+            raise ModelLoadError(f"checkpoint has weights the model does not use: {leftovers[:5]}")

