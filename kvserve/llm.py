@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvserve.cache.kv_cache_manager import KVCacheStats
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, RequestOutput
+from kvserve.engine.engine import LLMEngine, LoadedModel, RequestOutput
 from kvserve.engine.sampling import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -28,9 +28,10 @@ def _setup_logging() -> None:
 class LLM:
     """A paged-KV engine over one model. Keyword arguments are EngineConfig fields."""
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+    def __init__(self, model: str = "smollm2-135m", loaded: LoadedModel | None = None, **kwargs: Any) -> None:
+        """``loaded`` (from ``kvserve.engine.engine.load_model``) reuses an already loaded model."""
         _setup_logging()
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), loaded)
         self.tokenizer = self.engine.tokenizer
 
     @staticmethod
@@ -56,11 +57,10 @@ class LLM:
         """Run every prompt to completion under continuous batching; outputs in input order.
 
         All prompts are validated before any is queued, so a bad one leaves the engine clean."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        items = [self._unpack(p) for p in prompts]  # type: ignore[union-attr]
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+        batch = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
+        items = [self._unpack(p) for p in batch]
         if isinstance(sampling_params, Sequence):
             params_list = list(sampling_params)
             if len(params_list) != len(items):

@@ -10,7 +10,7 @@ from __future__ import annotations
 class KVCacheBlock:
     """One physical block of ``block_size`` token slots in every layer's K and V."""
 
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

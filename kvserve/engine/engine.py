@@ -6,7 +6,8 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -14,7 +15,7 @@ from kvserve.cache.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_
 from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvserve.config import ConfigError, EngineConfig, format_bytes, machine_memory_bytes
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.model.llama import LlamaForCausalLM
@@ -22,6 +23,24 @@ from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, r
 
 logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadedModel(NamedTuple):
+    path: Path
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any | None
+
+
+def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    path = resolve_model_path(model)
+    model_config, weights = load_checkpoint(path)
+    module = LlamaForCausalLM(model_config, model_config.max_position_embeddings)
+    module.load_weights(weights)
+    del weights
+    module = module.to(device=device, dtype=dtype).eval()
+    module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
+    return LoadedModel(path, model_config, module, load_tokenizer(path))
 
 
 class InvalidRequestError(ValueError):
@@ -59,7 +78,8 @@ def estimate_activation_bytes(config: ModelConfig, num_tokens: int, max_num_seqs
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """``loaded`` lets several engines (e.g. different block sizes) share one model."""
         self.config = config
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
@@ -67,18 +87,13 @@ class LLMEngine:
         dtype_name = config.dtype if config.dtype != "auto" else (
             "bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
-        self.model_path = resolve_model_path(config.model)
-        model_config, weights = load_checkpoint(self.model_path)
-        self.model_config = model_config
-        self.tokenizer = load_tokenizer(self.model_path)
+        if loaded is not None:
+            self.dtype, self.device = loaded.model.norm.dtype, loaded.model.norm.device
+        loaded = loaded or load_model(config.model, self.device, self.dtype)
+        self.loaded = loaded
+        self.model_path, self.model_config, self.model, self.tokenizer = loaded
+        model_config = self.model_config
         self.max_model_len = self._max_model_len()
-
-        model = LlamaForCausalLM(model_config, self.max_model_len)
-        model.load_weights(weights)
-        del weights
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rope_cos = self.model.rope_cos.float()
-        self.model.rope_sin = self.model.rope_sin.float()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         self.kv_bytes_per_token = kv_bytes_per_token(
@@ -226,6 +241,7 @@ class LLMEngine:
         if not chunks:
             return []
         sampled, result = self.runner.execute(chunks)
+        self.kv_manager.record_step()  # peak figures as held during the forward pass
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = []
@@ -247,7 +263,6 @@ class LLMEngine:
                 request.finish_time = now
                 self.requests.pop(request.request_id, None)
             outputs.append(self._output(request, [token], previous_text))
-        self.kv_manager.record_step()
         return outputs
 
     def _decode(self, token_ids: list[int]) -> str:

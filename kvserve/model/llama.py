@@ -90,11 +90,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        layers = [DecoderLayer(config) for _ in range(config.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.decoder_layers = layers  # typed view of the same modules
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq = rope_inv_freq(config)
@@ -115,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)
-        for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches, strict=True):
+        for layer, key_cache, value_cache in zip(self.decoder_layers, key_caches, value_caches, strict=True):
             hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
 
@@ -144,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         else:
             put(self.lm_head.weight, lm_head)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             put(layer.input_layernorm, take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"))

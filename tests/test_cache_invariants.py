@@ -1,0 +1,139 @@
+"""Property-based tests of the block pool, the manager and the scheduler's use of them."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from kvserve.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.engine.request import Request
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+
+
+def check_manager(kv: KVCacheManager) -> None:
+    owners = Counter(b.block_id for table in kv.block_tables.values() for b in table)
+    assert all(n == 1 for n in owners.values()), "a block is owned twice"
+    assert 0 not in owners, "the null block was handed out"
+    assert all(b.ref_cnt >= 0 for b in kv.pool.blocks)
+    free_ids = {b.block_id for b in kv.pool.free_queue}
+    assert len(free_ids) == kv.pool.num_free_blocks
+    assert not free_ids & set(owners)
+    assert len(free_ids) + len(owners) == kv.pool.num_usable_blocks
+    for rid, table in kv.block_tables.items():
+        assert len(table) == cdiv(kv.num_tokens[rid], kv.block_size)
+        assert all(b.ref_cnt == 1 for b in table)
+    stats = kv.stats()
+    assert stats.blocks_used == len(owners)
+    assert stats.live_tokens == sum(kv.num_tokens.values())
+    assert stats.allocated_slots == len(owners) * kv.block_size
+    assert 0 <= stats.tail_waste < max(1, len(kv.block_tables)) * kv.block_size or not kv.block_tables
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["grow", "free"]), st.integers(0, 7), st.integers(1, 40)), max_size=80
+)
+
+
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 40))
+@settings(max_examples=150, deadline=None)
+def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, num_blocks: int) -> None:
+    kv = KVCacheManager(num_blocks, block_size)
+    for op, rid, n in ops:
+        request_id = f"r{rid}"
+        if op == "grow":
+            before = kv.pool.num_free_blocks
+            target = kv.num_tokens.get(request_id, 0) + n
+            ok = kv.allocate_slots(request_id, target)
+            if not ok:
+                assert kv.pool.num_free_blocks == before  # a failed allocation takes nothing
+            else:
+                assert kv.num_tokens[request_id] == target
+        else:
+            kv.free(request_id)
+        check_manager(kv)
+    for rid in list(kv.block_tables):
+        kv.free(rid)
+    check_manager(kv)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and kv.stats().live_tokens == 0
+
+
+def test_free_queue_is_o1_linked_list() -> None:
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeKVCacheBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4] and q.num_free_blocks == 4
+    assert q.popleft() is blocks[0]
+    q.append(blocks[2])
+    assert [b.block_id for b in q] == [1, 3, 4, 2]
+    with pytest.raises(ValueError):
+        q.append(blocks[3])
+    pool = BlockPool(3)
+    taken = pool.get_new_blocks(2)
+    pool.free_blocks(taken)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks(taken[:1])
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, int, int]:
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    num_blocks = draw(st.integers(4, 30))
+    max_len = (num_blocks - 1) * block_size
+    reqs = draw(st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 30), st.integers(0, 6)),
+                         min_size=1, max_size=12))
+    return reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64))
+
+
+@given(workloads(), st.randoms(use_true_random=False))
+@settings(max_examples=150, deadline=None)
+def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: ignore[no-untyped-def]
+    """Drive the real scheduler and manager with bookkeeping in place of the model: random
+    arrivals and aborts; every request ends with exactly its tokens, blocks never leak."""
+    specs, block_size, num_blocks, max_seqs, budget = workload
+    kv = KVCacheManager(num_blocks, block_size)
+    sched = Scheduler(kv, max_seqs, budget)
+    max_len = (num_blocks - 1) * block_size
+    pending = list(enumerate(specs))
+    requests: list[Request] = []
+    aborted: set[str] = set()
+    steps = 0
+    while pending or sched.has_unfinished():
+        steps += 1
+        assert steps < 20000, "no progress"
+        while pending and (not sched.has_unfinished() or rnd.random() < 0.3):
+            i, (prompt_len, max_tokens, _) = pending.pop(0)
+            r = Request(f"r{i}", [i] * min(prompt_len, max_len), SamplingParams(max_tokens=max_tokens), i)
+            requests.append(r)
+            sched.add(r)
+        if sched.running and rnd.random() < 0.05:
+            victim = rnd.choice(sched.running)
+            sched.finish(victim, "abort")
+            aborted.add(victim.request_id)
+        chunks = sched.schedule()
+        assert sum(c.num_tokens for c in chunks) <= budget and len(sched.running) <= max_seqs
+        assert all(c.request.request_id in kv.block_tables for c in chunks)
+        for c in chunks:
+            r = c.request
+            # every token about to be computed has a slot of its own
+            slots = kv.slot_mapping(r.request_id, r.num_computed_tokens, r.num_computed_tokens + c.num_tokens)
+            assert len(set(slots)) == len(slots) and min(slots) >= block_size
+        for c in chunks:
+            done = c.completes_sequence
+            c.request.num_computed_tokens += c.num_tokens
+            if done:
+                r = c.request
+                r.output_token_ids.append(len(r.output_token_ids))  # the token encodes its index
+                if len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= max_len:
+                    sched.finish(r, "length")
+        check_manager(kv)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    for r in requests:
+        assert r.finished
+        if r.request_id not in aborted:
+            expected = min(r.params.max_tokens, max_len - r.num_prompt_tokens)
+            assert r.output_token_ids == list(range(max(expected, 1)))

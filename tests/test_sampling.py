@@ -1,0 +1,92 @@
+"""Sampling: filters, per-request seeds, stops and logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.engine import LoadedModel
+from kvserve.engine.sampling import _filter_logits, sample
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory: Callable[..., Path]) -> LLM:
+    return LLM(str(tiny_model_factory("llama")), kv_cache_memory="2MiB", max_model_len=256)
+
+
+def test_filters_keep_the_right_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.7), SamplingParams(min_p=0.5),
+              SamplingParams(top_p=0.85, top_k=3)]
+    kept = torch.isfinite(_filter_logits(logits, params)).tolist()
+    assert kept == [[True, True, False, False], [True, True, False, False],
+                    [True, True, False, False], [True, True, True, False]]
+
+
+def test_sampled_frequencies_follow_probabilities() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    logits = probs.log().expand(4000, 4).contiguous()
+    result = sample(logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000)
+    counts = torch.bincount(torch.tensor(result.token_ids), minlength=4).float() / 4000
+    assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_seed_reproducible_regardless_of_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPT], seeded)[0].token_ids
+    noisy = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llm.generate([[7, 8, 9], PROMPT, [1] * 40], [noisy, seeded, noisy])
+    assert batch[1].token_ids == alone
+    other = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    top1 = llm.generate([PROMPT], SamplingParams(temperature=0.8, top_k=1, seed=5, max_tokens=10,
+                                                 ignore_eos=True))[0]
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3))[0]
+    assert greedy.logprobs is not None and len(greedy.logprobs) == 10
+    for chosen, top, token in zip(greedy.logprobs, greedy.top_logprobs or [], greedy.token_ids, strict=True):
+        assert chosen <= 0 and len(top) == 3
+        assert max(top.values()) == pytest.approx(chosen) and top[token] == pytest.approx(chosen)
+    stop_at = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    llm.engine.eos_token_ids = {greedy.token_ids[2]}
+    try:
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
+        assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[2]) + 1]
+        assert out.finish_reason == "stop"
+        kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        assert kept.token_ids == greedy.token_ids and kept.finish_reason == "length"
+    finally:
+        llm.engine.eos_token_ids = set()
+
+
+@pytest.mark.slow
+def test_stop_strings_on_real_model(smollm: LoadedModel) -> None:
+    llm = LLM(loaded=smollm, kv_cache_memory="32MiB", max_model_len=512)
+    base = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20))[0]
+    assert "Paris." in base.text
+    cut = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20, stop=["."]))[0]
+    assert cut.text == base.text[: base.text.index(".")] and cut.finish_reason == "stop" and cut.stop_reason == "."
+    kept = llm.generate("The capital of France is",
+                        SamplingParams(temperature=0, max_tokens=20, stop=".", include_stop_str_in_output=True))[0]
+    assert kept.text == cut.text + "."
