@@ -73,3 +73,17 @@ def test_batched_equals_alone(tiny_model_factory: Callable[..., Path]) -> None:
     together = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_uninitialised_pool_memory_is_never_read(tiny_model_factory: Callable[..., Path]) -> None:
+    """Fill every block but the null block with NaN (what fresh torch.empty memory may hold):
+    blocks are zeroed on first use, so gathered tails and padding stay finite."""
+    path = str(tiny_model_factory("llama"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[4] * 3, list(range(1, 40)), [7, 7]]
+    clean = [o.token_ids for o in LLM(path, block_size=16, kv_cache_memory="1MiB").generate(prompts, params)]
+    llm = LLM(path, block_size=16, kv_cache_memory="1MiB")
+    cache = llm.engine.kv_cache
+    cache.storage[:, :, cache.block_size :].fill_(float("nan"))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == clean
+    assert cache.zeroed_up_to == llm.engine.kv_manager.pool.max_block_id_used > 0

@@ -88,6 +88,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # Never-used blocks leave the queue in id order (freed ones go to the back), so every
+        # block with an id above this has never held data.
+        self.max_block_id_used = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,6 +113,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             block.ref_cnt = 1
             blocks.append(block)
+            self.max_block_id_used = max(self.max_block_id_used, block.block_id)
         return blocks
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:

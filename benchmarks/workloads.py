@@ -1,0 +1,43 @@
+"""Token-id workloads shared by every benchmark and every engine (stdlib only, so the vLLM
+runner can import it from its own venv). Token ids, not text, so tokenizers cannot differ."""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+VOCAB = 49152
+
+
+class Workload(NamedTuple):
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    # skip the first 100 ids (special and control tokens)
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+def uniform(num: int = 32, prompt_len: int = 128, output_len: int = 128, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    return Workload("uniform", [_ids(rng, prompt_len) for _ in range(num)], [output_len] * num)
+
+
+def mixed(num: int = 64, prompt_range: tuple[int, int] = (16, 1024), output_range: tuple[int, int] = (16, 256),
+          seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [_ids(rng, rng.randint(*prompt_range)) for _ in range(num)]
+    return Workload("mixed", prompts, [rng.randint(*output_range) for _ in range(num)])
+
+
+WORKLOADS = {"uniform": uniform, "mixed": mixed}
