@@ -18,7 +18,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger("kvserve")
@@ -30,6 +30,7 @@ class LoadedModel(NamedTuple):
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Any | None
+    weight_bytes: int
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -40,7 +41,9 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     del weights
     module = module.to(device=device, dtype=dtype).eval()
     module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
-    return LoadedModel(path, model_config, module, load_tokenizer(path))
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    pack_linears_for_cpu(module)
+    return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes)
 
 
 class InvalidRequestError(ValueError):
@@ -91,10 +94,9 @@ class LLMEngine:
             self.dtype, self.device = loaded.model.norm.dtype, loaded.model.norm.device
         loaded = loaded or load_model(config.model, self.device, self.dtype)
         self.loaded = loaded
-        self.model_path, self.model_config, self.model, self.tokenizer = loaded
+        self.model_path, self.model_config, self.model, self.tokenizer, self.weight_bytes = loaded
         model_config = self.model_config
         self.max_model_len = self._max_model_len()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         self.kv_bytes_per_token = kv_bytes_per_token(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype)

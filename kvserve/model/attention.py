@@ -2,9 +2,9 @@
 
 Each attention group gathers its sequences' whole blocks through their block tables (one
 index_select per layer for K and V together; the table tensor is built once per step and
-shared by all layers) into a transient [2*kv_heads, batch, blocks*block_size, head_dim]
-tensor. Padding entries point at the zeroed null block; positions at or past a sequence's
-length are masked out.
+shared by all layers) and lays them out as a transient [2*kv_heads, batch, blocks*block_size,
+head_dim] tensor. Padding entries point at the zeroed null block; positions at or past a
+sequence's length are masked out.
 """
 
 from __future__ import annotations
@@ -25,29 +25,46 @@ class AttentionGroup:
     query_len: int
     block_tables: torch.Tensor  # [batch, max_blocks] physical block ids (0 = null block)
     mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size] True = attend
+    bias: torch.Tensor | None  # additive 0/-inf mask [kv_heads * batch, group * query_len, kv_len]
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    write_rows: torch.Tensor  # [num_tokens * 2 * kv_heads] pool rows (see kv_write_rows)
     groups: list[AttentionGroup]
 
 
+def kv_write_rows(slot_mapping: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
+    """Row of each new token's K and V heads in a layer's pool viewed as
+    [num_blocks * 2 * kv_heads * block_size, head_dim]. Built once per step."""
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    heads = torch.arange(2 * kv_heads, device=slot_mapping.device)
+    return ((blocks[:, None] * (2 * kv_heads) + heads[None, :]) * block_size + offsets[:, None]).view(-1)
+
+
+def attention_bias(mask: torch.Tensor, num_heads: int, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask [B, 1, Lq, L] as the additive bias _attend_kv_major's baddbmm takes,
+    laid out [kv_heads * B, group * Lq, L]. Built once per step, shared by all layers."""
+    batch, _, query_len, kv_len = mask.shape
+    group = num_heads // kv_heads
+    allowed = mask.view(1, batch, 1, query_len, kv_len).expand(kv_heads, batch, group, query_len, kv_len)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+    return bias.view(kv_heads * batch, group * query_len, kv_len)
+
+
 def _attend_kv_major(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [B, Lq, H, D]; k, v [KVH, B, L, D]; mask [B, 1, Lq, L]. GQA as batched matmuls with
-    the G query heads of each KV head stacked as rows; softmax in float32."""
+    """q [B, Lq, H, D]; k, v [KVH, B, L, D]; bias from attention_bias. GQA as batched matmuls
+    with the G query heads of each KV head stacked as rows; softmax accumulates in float32."""
     batch, query_len, num_heads, head_dim = q.shape
     kv_heads, kv_len = k.shape[0], k.shape[2]
     group = num_heads // kv_heads
     qg = q.view(batch, query_len, kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
     qg = qg.reshape(kv_heads * batch, group * query_len, head_dim)
-    scores = torch.bmm(qg, k.view(kv_heads * batch, kv_len, head_dim).transpose(1, 2))
-    scores = scores.view(kv_heads, batch, group, query_len, kv_len).float().mul_(scale)
-    scores.masked_fill_(~mask.view(1, batch, 1, query_len, kv_len), float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype).view(kv_heads * batch, group * query_len, kv_len)
-    out = torch.bmm(probs, v.view(kv_heads * batch, kv_len, head_dim))
+    scores = torch.baddbmm(bias, qg, k.reshape(kv_heads * batch, kv_len, head_dim).transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = torch.bmm(probs, v.reshape(kv_heads * batch, kv_len, head_dim))
     return out.view(kv_heads, batch, group, query_len, head_dim).permute(1, 3, 0, 2, 4)
 
 
@@ -59,28 +76,30 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D]; kv_cache [2*KVH, slots, D] (K heads, then V).
+    """query [T, H, D], key/value [T, KVH, D]; kv_cache [num_blocks, 2*KVH, block_size, D].
 
-    Writes the new K/V at the slot mapping, then every group reads its sequences' K/V back
-    from the pool through their block tables. Returns [T, H, D]."""
-    kv_heads = key.shape[1]
-    kv_cache.index_copy_(1, meta.slot_mapping, torch.cat((key, value), dim=1).transpose(0, 1))
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    Writes the new K/V into their slots, then every group reads its sequences' K/V back from
+    the pool through their block tables. Returns [T, H, D]."""
+    num_blocks, two_kv_heads, block_size, head_dim = kv_cache.shape
+    kv_heads = two_kv_heads // 2
+    kv_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, torch.cat((key, value), dim=1).view(-1, head_dim))
+    num_heads = query.shape[1]
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
-        kv_len = group.mask.shape[-1]
-        blocks = kv_cache.view(2 * kv_heads, -1, kv_len // group.block_tables.shape[1] * head_dim)
-        kv = blocks.index_select(1, group.block_tables.view(-1)).view(2 * kv_heads, group.batch, kv_len, head_dim)
+        width = group.block_tables.shape[1]
+        blocks = kv_cache.view(num_blocks, -1).index_select(0, group.block_tables.view(-1))
+        kv = blocks.view(group.batch, width, two_kv_heads, block_size, head_dim).permute(2, 0, 1, 3, 4)
+        kv = kv.reshape(two_kv_heads, group.batch, width * block_size, head_dim)
         k, v = kv[:kv_heads], kv[kv_heads:]
-        if group.query_len > 1 and query.dtype == torch.float32:
+        if group.bias is None:
             # measured: the fused CPU kernel wins for float32 prefill, loses for decode and bf16
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
                 attn_mask=group.mask, scale=scale, enable_gqa=True,
             ).transpose(1, 2)
         else:
-            o = _attend_kv_major(q, k, v, group.mask, scale)
+            o = _attend_kv_major(q, k, v, group.bias, scale)
         out[group.token_start : end] = o.reshape(-1, num_heads, head_dim)
     return out
