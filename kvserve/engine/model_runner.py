@@ -13,7 +13,13 @@ from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling import SampleResult, sample
 from kvserve.engine.scheduler import ScheduledChunk
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, attention_bias, kv_write_rows
+from kvserve.model.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    attention_bias,
+    kv_write_rows,
+    use_decode_kernel,
+)
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -26,6 +32,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_manager.block_size
         self.dtype = kv_cache.storage.dtype
+        self.decode_kernel = use_decode_kernel(device)
 
     def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
         """One attention call for chunks of equal query length."""
@@ -41,11 +48,12 @@ class ModelRunner:
         query_pos = lens[:, None] - query_len + torch.arange(query_len, device=self.device)[None, :]
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
         bias = None
-        if query_len == 1 or self.dtype != torch.float32:
-            # measured on CPU: SDPA's fused kernel wins only for float32 prefill
+        if query_len == 1 and not self.decode_kernel:
+            # measured on CPU: batched matmuls win for decode, SDPA's flash kernel for prefill
             cfg = self.model.config
             bias = attention_bias(mask, cfg.num_heads, cfg.num_kv_heads, self.dtype)
-        return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask, bias)
+        fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks)
+        return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask, lens, fresh, bias)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.cpu_kernels import paged_decode_kernel
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -25,13 +27,20 @@ class AttentionGroup:
     query_len: int
     block_tables: torch.Tensor  # [batch, max_blocks] physical block ids (0 = null block)
     mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size] True = attend
-    bias: torch.Tensor | None  # additive 0/-inf mask [kv_heads * batch, group * query_len, kv_len]
+    seq_lens: torch.Tensor  # [batch] tokens in the cache after this step's writes
+    causal_from_start: bool  # every chunk starts at position 0: plain causal attention
+    bias: torch.Tensor | None  # additive mask for the matmul decode path (None: kernel or SDPA)
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     write_rows: torch.Tensor  # [num_tokens * 2 * kv_heads] pool rows (see kv_write_rows)
     groups: list[AttentionGroup]
+
+
+def use_decode_kernel(device: torch.device) -> bool:
+    """Decode groups use the fused C++ kernel on CPU when it compiled."""
+    return device.type == "cpu" and paged_decode_kernel() is not None
 
 
 def kv_write_rows(slot_mapping: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
@@ -87,6 +96,13 @@ def paged_attention(
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
+        if group.query_len == 1 and group.bias is None:
+            kernel = paged_decode_kernel()
+            assert kernel is not None, "decode groups without a bias need the fused kernel"
+            # reads K/V in place through the block tables: no gathered copy
+            out[group.token_start : end] = kernel(
+                query[group.token_start : end].contiguous(), kv_cache, group.block_tables, group.seq_lens, scale)
+            continue
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
         width = group.block_tables.shape[1]
         blocks = kv_cache.view(num_blocks, -1).index_select(0, group.block_tables.view(-1))
@@ -94,10 +110,12 @@ def paged_attention(
         kv = kv.reshape(two_kv_heads, group.batch, width * block_size, head_dim)
         k, v = kv[:kv_heads], kv[kv_heads:]
         if group.bias is None:
-            # measured: the fused CPU kernel wins for float32 prefill, loses for decode and bf16
+            # With no cached prefix, top-left causal alignment is exact (padded keys lie past
+            # every query) and SDPA's is_causal path is ~30% faster than an explicit mask.
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-                attn_mask=group.mask, scale=scale, enable_gqa=True,
+                attn_mask=None if group.causal_from_start else group.mask,
+                is_causal=group.causal_from_start, scale=scale, enable_gqa=True,
             ).transpose(1, 2)
         else:
             o = _attend_kv_major(q, k, v, group.bias, scale)
