@@ -94,7 +94,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="utilization does not depend on it; bf16 is faster")
     parser.add_argument("--out", default="docs/results/kv_utilization.json")
     parser.add_argument("--plot", default="docs/kv_utilization.png")
+    parser.add_argument("--plot-only", action="store_true", help="re-draw the plot from --out")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text())["results"], Path(args.plot))
+        return
     torch.set_num_threads(2)
     loaded = load_model("smollm2-135m", torch.device("cpu"), getattr(torch, args.dtype))
     results = []

@@ -16,8 +16,11 @@ from kvserve.model.attention import (
     attention_bias,
     kv_write_rows,
     paged_attention,
+    rope_and_write_kv,
     use_decode_kernel,
+    write_kv,
 )
+from kvserve.model.llama import apply_rope
 
 needs_kernel = pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
 
@@ -49,9 +52,10 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
     outs = []
     for with_bias in (True, False):
         pool = cache.clone()
-        meta = AttentionMetadata(kv_write_rows(slots, block_size, kv_heads),
+        meta = AttentionMetadata(slots, kv_write_rows(slots, block_size, kv_heads),
                                  [_decode_group(tables, lens, block_size, heads, kv_heads, dtype, with_bias)])
-        outs.append(paged_attention(query, new_k, new_v, pool, meta, dim**-0.5).float())
+        write_kv(new_k, new_v, pool, meta)
+        outs.append(paged_attention(query, pool, meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
@@ -66,3 +70,25 @@ def test_engine_tokens_same_with_and_without_kernel(tiny_model_factory: Callable
         llm.engine.runner.decode_kernel = kernel
         results.append([o.token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, dim, block_size = 7, 9, 3, 64, 4
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)
+    angles = torch.rand(tokens, dim // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    slots = torch.tensor([4, 5, 6, 7, 9, 13, 30])
+    meta = AttentionMetadata(slots, kv_write_rows(slots, block_size, kv_heads), [])
+    pool_ref, pool = torch.zeros(9, 2 * kv_heads, block_size, dim, dtype=dtype), torch.zeros(9, 2 * kv_heads,
+                                                                                          block_size, dim, dtype=dtype)
+    qk = apply_rope(qkv[:, : heads + kv_heads], cos.to(dtype)[:, None], signed_sin.to(dtype)[:, None])
+    write_kv(qk[:, heads:], qkv[:, heads + kv_heads :], pool_ref, meta)
+    fused = qkv.clone()
+    rope_and_write_kv(fused, cos, signed_sin, pool, meta, heads)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused[:, :heads].float(), qk[:, :heads].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(pool.float(), pool_ref.float(), atol=tol, rtol=tol)

@@ -82,8 +82,9 @@ class ModelRunner:
             groups.append(self._group(by_len[n], offset))
             offset += n * len(by_len[n])
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
-        rows = kv_write_rows(torch.tensor(slots, device=self.device), self.block_size, self.model.config.num_kv_heads)
-        meta = AttentionMetadata(rows, groups)
+        slot_mapping = torch.tensor(slots, device=self.device)
+        rows = kv_write_rows(slot_mapping, self.block_size, self.model.config.num_kv_heads)
+        meta = AttentionMetadata(slot_mapping, rows, groups, fused_rope_write=self.decode_kernel)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.cpu_kernels import paged_decode_kernel
+from kvserve.model.cpu_kernels import paged_decode_kernel, rope_write_kernel
 
 
 @dataclass(slots=True)
@@ -34,13 +34,30 @@ class AttentionGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token
     write_rows: torch.Tensor  # [num_tokens * 2 * kv_heads] pool rows (see kv_write_rows)
     groups: list[AttentionGroup]
+    fused_rope_write: bool = False  # layers may use the C++ rotary + cache-write op
 
 
 def use_decode_kernel(device: torch.device) -> bool:
-    """Decode groups use the fused C++ kernel on CPU when it compiled."""
+    """Decode groups use the fused C++ kernels on CPU when they compiled."""
     return device.type == "cpu" and paged_decode_kernel() is not None
+
+
+def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, num_heads: int) -> None:
+    """C++ op: rotary on qkv's query and key heads in place ([T, H + 2*KVH, D], contiguous;
+    cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot."""
+    kernel = rope_write_kernel()
+    assert kernel is not None
+    kernel(qkv, cos, signed_sin, kv_cache, meta.slot_mapping, num_heads)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """key/value [T, KVH, D] into their slots of kv_cache [num_blocks, 2*KVH, block_size, D]."""
+    head_dim = kv_cache.shape[-1]
+    kv_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, torch.cat((key, value), dim=1).view(-1, head_dim))
 
 
 def kv_write_rows(slot_mapping: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
@@ -77,21 +94,12 @@ def _attend_kv_major(
     return out.view(kv_heads, batch, group, query_len, head_dim).permute(1, 3, 0, 2, 4)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D]; kv_cache [num_blocks, 2*KVH, block_size, D].
-
-    Writes the new K/V into their slots, then every group reads its sequences' K/V back from
-    the pool through their block tables. Returns [T, H, D]."""
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, H, D]; kv_cache [num_blocks, 2*KVH, block_size, D], this step's K/V already
+    written. Every group reads its sequences' K/V from the pool through their block tables.
+    Returns [T, H, D]."""
     num_blocks, two_kv_heads, block_size, head_dim = kv_cache.shape
     kv_heads = two_kv_heads // 2
-    kv_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, torch.cat((key, value), dim=1).view(-1, head_dim))
     num_heads = query.shape[1]
     out = torch.empty_like(query)
     for group in meta.groups:
@@ -99,9 +107,9 @@ def paged_attention(
         if group.query_len == 1 and group.bias is None:
             kernel = paged_decode_kernel()
             assert kernel is not None, "decode groups without a bias need the fused kernel"
-            # reads K/V in place through the block tables: no gathered copy
-            out[group.token_start : end] = kernel(
-                query[group.token_start : end].contiguous(), kv_cache, group.block_tables, group.seq_lens, scale)
+            # reads K/V in place through the block tables (no gathered copy), writes into out
+            kernel(out[group.token_start : end], query[group.token_start : end], kv_cache, group.block_tables,
+                   group.seq_lens, scale)
             continue
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
         width = group.block_tables.shape[1]

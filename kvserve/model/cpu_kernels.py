@@ -19,6 +19,18 @@ _TRIED = False
 
 def paged_decode_kernel() -> Any | None:
     """The compiled ``paged_decode_attention`` function, or None where it is unavailable."""
+    module = cpu_kernels()
+    return None if module is None else module.paged_decode_attention
+
+
+def rope_write_kernel() -> Any | None:
+    """The compiled ``rope_and_write_kv`` function, or None where it is unavailable."""
+    module = cpu_kernels()
+    return None if module is None else module.rope_and_write_kv
+
+
+def cpu_kernels() -> Any | None:
+    """The compiled extension module (built on first call), or None where it cannot be built."""
     global _MODULE, _TRIED
     if _TRIED:
         return _MODULE
@@ -29,6 +41,7 @@ def paged_decode_kernel() -> Any | None:
         from torch.utils.cpp_extension import load
 
         source = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+        logger.info("loading the fused CPU paged-attention kernel (compiled once, then cached)")
         module = load(
             name="kvserve_paged_attention",
             sources=[str(source)],
@@ -36,7 +49,7 @@ def paged_decode_kernel() -> Any | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        _MODULE = module.paged_decode_attention
+        _MODULE = module
     except Exception as exc:  # a missing compiler must not stop the engine
         logger.warning("fused CPU paged attention unavailable (%s); using the gather path", exc)
         _MODULE = None

@@ -8,13 +8,13 @@ load time to cut per-layer kernel launches.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv, write_kv
 from kvserve.model.loader import ModelConfig, ModelLoadError
 
 
@@ -45,6 +45,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+class RotaryTables(NamedTuple):
+    """This step's rotary tables: float32 [T, D] for the C++ op, model dtype [T, 1, D] otherwise."""
+
+    cos32: torch.Tensor
+    sin32: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class PackedLinear(nn.Module):
@@ -102,8 +111,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -112,18 +120,23 @@ class DecoderLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(F.rms_norm(qkv[:, :heads], (self.head_dim,), self.q_norm, self.eps), cos, sin)
+        if meta.fused_rope_write and self.q_norm is None:
+            rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv_cache, meta, heads)
+            q = qkv[:, :heads]
+        elif self.q_norm is not None and self.k_norm is not None:
+            q = apply_rope(F.rms_norm(qkv[:, :heads], (self.head_dim,), self.q_norm, self.eps), rope.cos, rope.sin)
             k = apply_rope(F.rms_norm(qkv[:, heads : heads + kv_heads], (self.head_dim,), self.k_norm, self.eps),
-                           cos, sin)
+                           rope.cos, rope.sin)
+            write_kv(k, v, kv_cache, meta)
         else:  # one rotary call for the query and key heads together
-            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
+            qk = apply_rope(qkv[:, : heads + kv_heads], rope.cos, rope.sin)
+            q = qk[:, :heads]
+            write_kv(qk[:, heads:], v, kv_cache, meta)
+        attn = paged_attention(q, kv_cache, meta, self.scale)
+        hidden.add_(self.o_proj(attn.view(num_tokens, self.q_size)))  # the residual stream is ours to update
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return hidden.add_(self.down_proj(F.silu(gate).mul_(up)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,10 +169,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the flat batch of tokens."""
         hidden = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)
+        cos32, sin32 = self.rope_cos[positions], self.rope_sin[positions]
+        rope = RotaryTables(cos32, sin32, cos32.to(hidden.dtype).unsqueeze(1), sin32.to(hidden.dtype).unsqueeze(1))
         for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, rope, kv_cache, meta)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
