@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import load_checkpoint, unpermute_rotary
 from tests.conftest import first_divergence_is_near_tie, hf_greedy
 
@@ -69,11 +70,14 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 
 
 def test_tied_embeddings_share_storage(tiny_model_factory: Callable[..., Path]) -> None:
-    llm = _run(tiny_model_factory("qwen2"))
-    model = llm.engine.model
-    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     config, weights = load_checkpoint(tiny_model_factory("qwen2"))
     assert config.attention_bias and "model.layers.0.self_attn.q_proj.bias" in weights
+    model = LlamaForCausalLM(config, 64)
+    model.load_weights(weights)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    if pack_linears_for_cpu(model):  # the packed copy computes the same logits
+        x = torch.randn(3, config.hidden_size)
+        torch.testing.assert_close(model.compute_logits(x), x @ model.embed_tokens.weight.T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
