@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from kvserve.model.cpu_kernels import paged_decode_kernel, rope_write_kernel
 
@@ -51,7 +52,8 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
     cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot."""
     kernel = rope_write_kernel()
     assert kernel is not None
-    kernel(qkv, cos, signed_sin, kv_cache, meta.slot_mapping, num_heads)
+    with record_function("kvserve::rope_and_write_kv"):
+        kernel(qkv, cos, signed_sin, kv_cache, meta.slot_mapping, num_heads)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -108,8 +110,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             kernel = paged_decode_kernel()
             assert kernel is not None, "decode groups without a bias need the fused kernel"
             # reads K/V in place through the block tables (no gathered copy), writes into out
-            kernel(out[group.token_start : end], query[group.token_start : end], kv_cache, group.block_tables,
-                   group.seq_lens, scale)
+            with record_function("kvserve::paged_decode_attention"):
+                kernel(out[group.token_start : end], query[group.token_start : end], kv_cache, group.block_tables,
+                       group.seq_lens, scale)
             continue
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
         width = group.block_tables.shape[1]
