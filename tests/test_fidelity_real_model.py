@@ -78,3 +78,26 @@ def test_stream_matches_generate_and_text(smollm: LoadedModel) -> None:
     assert "".join(c.new_text for c in chunks) == full.text
     assert "Paris" in full.text
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+
+
+def test_cli_generate_end_to_end(tmp_path: Any) -> None:
+    """The CLI on the real model: a JSONL file of plain and chat prompts, a pool small enough
+    to preempt, the outputs and the KV statistics printed."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "The capital of France is"}, {"messages": [{"role": "user", "content": "Say hi."}]}]
+    rows += [{"text": f"Count from {i} to {i + 20}:"} for i in range(6)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "generate", "--prompts-file", str(prompts), "--max-tokens", "40",
+         "--ignore-eos", "--block-size", "16", "--kv-cache-memory", str(16 * 16 * 46080), "--max-model-len", "200",
+         "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.count("--- [") == 8 and "Paris" in out
+    assert "8 requests" in out and "KV cache: usage 0.0%" in out
+    assert "preemptions 0" not in out  # 15 blocks for 8 requests of ~50 tokens: someone was preempted
+    assert "maximum concurrency for 200 tokens per request" in proc.stderr
