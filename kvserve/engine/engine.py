@@ -17,7 +17,7 @@ from kvserve.config import ConfigError, EngineConfig, format_bytes, machine_memo
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 
@@ -180,8 +180,6 @@ class LLMEngine:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        from kvserve.engine.scheduler import ScheduledChunk
-
         runner.execute([ScheduledChunk(dummy, tokens)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
