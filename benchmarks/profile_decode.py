@@ -43,10 +43,10 @@ def main() -> None:
     if args.workload == "mixed":
         prefill, decode = [], []
         while engine.has_unfinished_requests():
-            chunks = len(engine.scheduler.waiting)
+            waiting = len(engine.scheduler.waiting)
             start = time.perf_counter()
             engine.step()
-            (prefill if chunks or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+            (prefill if waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
              else decode).append((time.perf_counter() - start, engine.num_running))
         busiest = max(decode, key=lambda s: s[1])
         print(f"{args.dtype}, {path}: {sum(s[0] for s in prefill):.1f} s in {len(prefill)} steps with prefill, "

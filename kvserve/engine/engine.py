@@ -93,7 +93,6 @@ class LLMEngine:
         if loaded is not None:
             self.dtype, self.device = loaded.model.norm.dtype, loaded.model.norm.device
         loaded = loaded or load_model(config.model, self.device, self.dtype)
-        self.loaded = loaded
         self.model_path, self.model_config, self.model, self.tokenizer, self.weight_bytes = loaded
         model_config = self.model_config
         self.max_model_len = self._max_model_len()

@@ -1,8 +1,9 @@
 """Paged attention: write new K/V into the block pool, read each sequence through its table.
 
-Each attention group gathers its sequences' whole blocks through their block tables (one
-index_select per layer for K and V together; the table tensor is built once per step and
-shared by all layers) and lays them out as a transient [2*kv_heads, batch, blocks*block_size,
+On CPU, decode groups (one query token per sequence) go through the fused C++ kernel, which
+reads K/V in place through the block tables. Every other group gathers its sequences' whole
+blocks (one index_select per layer for K and V together; the table tensor is built once per
+step and shared by all layers) into a transient [2*kv_heads, batch, blocks*block_size,
 head_dim] tensor. Padding entries point at the zeroed null block; positions at or past a
 sequence's length are masked out.
 """
@@ -20,7 +21,7 @@ from kvserve.model.cpu_kernels import paged_decode_kernel, rope_write_kernel
 
 @dataclass(slots=True)
 class AttentionGroup:
-    """Sequences that share one SDPA call: ``batch`` sequences of ``query_len`` tokens each,
+    """Sequences that share one attention call: ``batch`` sequences of ``query_len`` tokens each,
     stored contiguously at [token_start, token_start + batch * query_len) of the flat batch."""
 
     token_start: int

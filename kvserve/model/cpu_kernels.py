@@ -1,8 +1,9 @@
-"""The fused CPU paged-decode kernel (csrc/paged_attention.cpp), compiled on first use.
+"""The C++ CPU ops of csrc/paged_attention.cpp (paged decode attention, rotary + cache write),
+compiled on first use.
 
 Compiled with torch's cpp_extension (needs a C++ compiler and ninja; cached under
 ~/.cache/torch_extensions). If the build fails, or KVSERVE_NO_CPU_KERNEL=1 is set, callers fall
-back to the gather-then-matmul reference path.
+back to torch ops (gather + batched matmuls, index_copy_ for the cache write).
 """
 
 from __future__ import annotations

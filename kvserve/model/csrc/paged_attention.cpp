@@ -1,6 +1,8 @@
-// Fused paged decode attention for CPU: reads each sequence's K/V straight from the block
-// pool through its block table (no gathered copy), one query token per sequence, GQA,
-// block-wise online softmax in float32. Parallel over (sequence, KV head).
+// CPU ops for the paged KV cache.
+// paged_decode_attention: reads each sequence's K/V straight from the block pool through its
+// block table (no gathered copy), one query token per sequence, GQA, two-pass softmax in
+// float32 (scores for the whole sequence, then values). Parallel over (sequence, KV head).
+// rope_and_write_kv: rotary on the fused qkv in place, then each token's K/V into its slot.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
