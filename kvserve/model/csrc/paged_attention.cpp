@@ -7,14 +7,164 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Softmax of each of `rows` score rows of length len, in place, in float32.
+static void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* pg = scores + g * len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t pos = 0; pos < len; ++pos) mx = std::max(mx, pg[pos]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t pos = 0; pos < len; ++pos) {
+      pg[pos] = std::exp(pg[pos] - mx);
+      sum += pg[pos];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t pos = 0; pos < len; ++pos) pg[pos] *= inv;
+  }
+}
+
+// One (sequence, KV head) job, portable C++: the reference the vector path must match.
+template <typename T>
+static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t group,
+                              int64_t dim, int64_t h, int64_t kv_heads, int64_t block_size, float* probs,
+                              float* acc, float* row) {
+  const int64_t block_stride = 2 * kv_heads * block_size * dim;  // elements per block
+  std::fill(acc, acc + group * dim, 0.f);
+  // pass 1: scores; each key row is converted once and dotted with every query head
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const T* kt = kv + table[pos / block_size] * block_stride + (h * block_size + pos % block_size) * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(kt[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * dim;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
+      probs[g * len + pos] = s;
+    }
+  }
+  softmax_rows(probs, group, len);
+  // pass 2: each value row is converted once and added into every query head's output
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const T* vt = kv + table[pos / block_size] * block_stride + ((kv_heads + h) * block_size + pos % block_size) * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(vt[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = probs[g * len + pos];
+      float* ag = acc + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of T widened to float32. bf16 -> f32 is a 16-bit shift, exact.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// The same job with AVX-512 for head_dim = 16 * NV and G query heads per KV head, so the
+// queries and the output accumulators stay in registers: a K or V row is widened once and
+// used by all G heads. Walks each block's contiguous [block_size, dim] tile.
+template <typename T, int NV, int G>
+static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t h,
+                              int64_t kv_heads, int64_t block_size, float* probs, float* acc) {
+  constexpr int64_t dim = NV * 16;
+  const int64_t block_stride = 2 * kv_heads * block_size * dim;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  __m512 reg[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const T* tile = kv + table[blk] * block_stride + h * block_size * dim;
+    const T* next = blk + 1 < num_blocks ? kv + table[blk + 1] * block_stride + h * block_size * dim : tile;
+    const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_row(next + t * dim, dim * sizeof(T));  // blocks are scattered: hardware prefetch stops at each
+      __m512 k[NV];
+      for (int i = 0; i < NV; ++i) k[i] = load16(tile + t * dim + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        __m512 s = _mm512_mul_ps(k[0], reg[g][0]);
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(k[i], reg[g][i], s);
+        probs[g * len + first + t] = _mm512_reduce_add_ps(s);
+      }
+    }
+  }
+  softmax_rows(probs, G, len);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const T* tile = kv + table[blk] * block_stride + (kv_heads + h) * block_size * dim;
+    const T* next = blk + 1 < num_blocks ? kv + table[blk + 1] * block_stride + (kv_heads + h) * block_size * dim : tile;
+    const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_row(next + t * dim, dim * sizeof(T));
+      __m512 v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = load16(tile + t * dim + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * len + first + t]);
+        for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_fmadd_ps(p, v[i], reg[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * dim + 16 * i, reg[g][i]);
+}
+
+// The vector job for this (dim, group), or nullptr where only the portable job applies.
+template <typename T>
+using DecodeJob = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*);
+
+template <typename T, int NV>
+static DecodeJob<T> pick_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_job_avx512<T, NV, 1>;
+    case 2: return decode_job_avx512<T, NV, 2>;
+    case 3: return decode_job_avx512<T, NV, 3>;
+    case 4: return decode_job_avx512<T, NV, 4>;
+    case 5: return decode_job_avx512<T, NV, 5>;
+    case 6: return decode_job_avx512<T, NV, 6>;
+    case 7: return decode_job_avx512<T, NV, 7>;
+    case 8: return decode_job_avx512<T, NV, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+static DecodeJob<T> vector_job(int64_t dim, int64_t group) {
+  if constexpr (std::is_same_v<T, double>) return nullptr;
+  else if (dim == 64) return pick_group<T, 4>(group);
+  else if (dim == 128) return pick_group<T, 8>(group);
+  return nullptr;
+}
+#endif
 
 template <typename T>
 static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
                           T* out, int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                           int64_t width, int64_t block_size, float scale) {
   const int64_t group = heads / kv_heads;
-  const int64_t block_stride = 2 * kv_heads * block_size * dim;  // elements per block
+#if defined(__AVX512F__)
+  const DecodeJob<T> job_fn = vector_job<T>(dim, group);
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), row(dim), probs;
     for (int64_t job = begin; job < end; ++job) {
@@ -25,50 +175,14 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64
         const T* qrow = q + b * q_stride + (h * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float* r = row.data();
-      // pass 1: scores; each key row is converted once and dotted with every query head
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t blk = pos / block_size, t = pos % block_size;
-        const T* kt = kv + tables[b * width + blk] * block_stride + (h * block_size + t) * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) r[d] = static_cast<float>(kt[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * r[d];
-          probs[g * len + pos] = s;
-        }
-      }
-      // softmax over the whole sequence, in float32
-      for (int64_t g = 0; g < group; ++g) {
-        float* pg = probs.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t pos = 0; pos < len; ++pos) mx = std::max(mx, pg[pos]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          pg[pos] = std::exp(pg[pos] - mx);
-          sum += pg[pos];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t pos = 0; pos < len; ++pos) pg[pos] *= inv;
-      }
-      // pass 2: each value row is converted once and added into every query head's output
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t blk = pos / block_size, t = pos % block_size;
-        const T* vt = kv + tables[b * width + blk] * block_stride + ((kv_heads + h) * block_size + t) * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) r[d] = static_cast<float>(vt[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = probs[g * len + pos];
-          float* ag = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * r[d];
-        }
-      }
+      const int64_t* table = tables + b * width;
+#if defined(__AVX512F__)
+      if (job_fn != nullptr)
+        job_fn(qf.data(), kv, table, len, h, kv_heads, block_size, probs.data(), acc.data());
+      else
+#endif
+        decode_job_scalar<T>(qf.data(), kv, table, len, group, dim, h, kv_heads, block_size, probs.data(),
+                             acc.data(), row.data());
       for (int64_t g = 0; g < group; ++g) {
         T* orow = out + b * out_stride + (h * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d]);
