@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kvserve.model.cpu_kernels import paged_decode_kernel, rope_write_kernel
+from kvserve.model.cpu_kernels import cpu_op
 
 
 @dataclass(slots=True)
@@ -44,14 +44,14 @@ class AttentionMetadata:
 
 def use_decode_kernel(device: torch.device) -> bool:
     """Decode groups use the fused C++ kernels on CPU when they compiled."""
-    return device.type == "cpu" and paged_decode_kernel() is not None
+    return device.type == "cpu" and cpu_op("paged_decode_attention") is not None
 
 
 def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata, num_heads: int) -> None:
     """C++ op: rotary on qkv's query and key heads in place ([T, H + 2*KVH, D], contiguous;
     cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot."""
-    kernel = rope_write_kernel()
+    kernel = cpu_op("rope_and_write_kv")
     assert kernel is not None
     with record_function("kvserve::rope_and_write_kv"):
         kernel(qkv, cos, signed_sin, kv_cache, meta.slot_mapping, num_heads)
@@ -108,7 +108,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
         if group.query_len == 1 and group.bias is None:
-            kernel = paged_decode_kernel()
+            kernel = cpu_op("paged_decode_attention")
             assert kernel is not None, "decode groups without a bias need the fused kernel"
             # reads K/V in place through the block tables (no gathered copy), writes into out
             with record_function("kvserve::paged_decode_attention"):

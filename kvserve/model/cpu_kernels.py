@@ -1,9 +1,9 @@
-"""The C++ CPU ops of csrc/paged_attention.cpp (paged decode attention, rotary + cache write),
-compiled on first use.
+"""The C++ CPU ops of csrc/cpu_ops.cpp (paged decode attention, rotary + cache write, residual
+add + RMSNorm, SwiGLU's silu-and-mul), compiled on first use.
 
 Compiled with torch's cpp_extension (needs a C++ compiler and ninja; cached under
 ~/.cache/torch_extensions). If the build fails, or KVSERVE_NO_CPU_KERNEL=1 is set, callers fall
-back to torch ops (gather + batched matmuls, index_copy_ for the cache write).
+back to torch ops (gather + batched matmuls, index_copy_ for the cache write, F.rms_norm, F.silu).
 """
 
 from __future__ import annotations
@@ -18,16 +18,11 @@ _MODULE: Any = None
 _TRIED = False
 
 
-def paged_decode_kernel() -> Any | None:
-    """The compiled ``paged_decode_attention`` function, or None where it is unavailable."""
+def cpu_op(name: str) -> Any | None:
+    """The compiled op ``name`` (paged_decode_attention, rope_and_write_kv, add_rms_norm,
+    silu_and_mul), or None where the extension is unavailable."""
     module = cpu_kernels()
-    return None if module is None else module.paged_decode_attention
-
-
-def rope_write_kernel() -> Any | None:
-    """The compiled ``rope_and_write_kv`` function, or None where it is unavailable."""
-    module = cpu_kernels()
-    return None if module is None else module.rope_and_write_kv
+    return None if module is None else getattr(module, name)
 
 
 def cpu_kernels() -> Any | None:
@@ -41,10 +36,10 @@ def cpu_kernels() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        source = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-        logger.info("loading the fused CPU paged-attention kernel (compiled once, then cached)")
+        source = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+        logger.info("loading the C++ CPU ops (compiled once, then cached)")
         module = load(
-            name="kvserve_paged_attention",
+            name="kvserve_cpu_ops",
             sources=[str(source)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
@@ -52,6 +47,6 @@ def cpu_kernels() -> Any | None:
         )
         _MODULE = module
     except Exception as exc:  # a missing compiler must not stop the engine
-        logger.warning("fused CPU paged attention unavailable (%s); using the gather path", exc)
+        logger.warning("C++ CPU ops unavailable (%s); using torch ops (gather path for attention)", exc)
         _MODULE = None
     return _MODULE

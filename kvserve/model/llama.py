@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv, write_kv
+from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.loader import ModelConfig, ModelLoadError
 
 
@@ -45,6 +46,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += delta in place (when given); returns rms_norm(residual) * weight.
+    residual [T, hidden] contiguous. One C++ pass on CPU, torch ops elsewhere."""
+    op = cpu_op("add_rms_norm") if residual.device.type == "cpu" else None
+    if op is not None:
+        return op(residual, delta, weight, eps)
+    if delta is not None:
+        residual.add_(delta)
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: silu(gate) * up for gate_up = [gate | up] ([T, 2 * inter])."""
+    op = cpu_op("silu_and_mul") if gate_up.device.type == "cpu" else None
+    if op is not None:
+        return op(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 class RotaryTables(NamedTuple):
@@ -111,12 +133,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        delta: torch.Tensor | None,
         rope: RotaryTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden is the residual stream, owned by the forward pass and updated in place; delta
+        is the previous layer's MLP output, not yet added (the add is fused into the norm).
+        Returns (hidden, this layer's MLP output)."""
         num_tokens = hidden.shape[0]
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_layernorm, self.eps)
+        x = add_rms_norm(hidden, delta, self.input_layernorm, self.eps)
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
@@ -133,10 +159,9 @@ class DecoderLayer(nn.Module):
             q = qk[:, :heads]
             write_kv(qk[:, heads:], v, kv_cache, meta)
         attn = paged_attention(q, kv_cache, meta, self.scale)
-        hidden.add_(self.o_proj(attn.view(num_tokens, self.q_size)))  # the residual stream is ours to update
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return hidden.add_(self.down_proj(F.silu(gate).mul_(up)))
+        x = add_rms_norm(hidden, self.o_proj(attn.view(num_tokens, self.q_size)), self.post_attention_layernorm,
+                         self.eps)
+        return hidden, self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,9 +196,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos32, sin32 = self.rope_cos[positions], self.rope_sin[positions]
         rope = RotaryTables(cos32, sin32, cos32.to(hidden.dtype).unsqueeze(1), sin32.to(hidden.dtype).unsqueeze(1))
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, meta)
-        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+            hidden, delta = layer(hidden, delta, rope, kv_cache, meta)
+        return add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

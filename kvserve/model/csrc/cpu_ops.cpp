@@ -1,8 +1,10 @@
-// CPU ops for the paged KV cache.
+// CPU ops for the paged KV cache and the decoder's elementwise steps.
 // paged_decode_attention: reads each sequence's K/V straight from the block pool through its
 // block table (no gathered copy), one query token per sequence, GQA, two-pass softmax in
 // float32 (scores for the whole sequence, then values). Parallel over (sequence, KV head).
 // rope_and_write_kv: rotary on the fused qkv in place, then each token's K/V into its slot.
+// add_rms_norm / silu_and_mul: residual add + RMSNorm and SwiGLU's gate, one pass each instead
+// of several torch ops (each a dispatch and a trip through memory), float32 inside.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -254,9 +256,121 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   });
 }
 
+// Row conversions to and from float32 (vector loads where AVX-512 is available).
+template <typename T>
+static inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+static inline void from_float(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#if defined(__AVX512BF16__)
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, like c10's cast
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  }
+#endif
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Rows per task so that small (decode) batches stay on one thread: forking costs more than the work.
+static int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
+
+template <typename T>
+static void add_rms_norm_kernel(T* residual, const T* delta, const T* weight, T* out, int64_t tokens, int64_t hidden,
+                                float eps) {
+  at::parallel_for(0, tokens, row_grain(hidden), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(hidden), d(hidden), w(hidden);
+    to_float(weight, w.data(), hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      T* res = residual + t * hidden;
+      to_float(res, x.data(), hidden);
+      if (delta != nullptr) {
+        to_float(delta + t * hidden, d.data(), hidden);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) x[i] += d[i];
+        from_float(x.data(), res, hidden);
+        to_float(res, x.data(), hidden);  // normalize the residual as stored (rounded to T), as torch would
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; ++i) sum += x[i] * x[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) x[i] = x[i] * inv * w[i];
+      from_float(x.data(), out + t * hidden, hidden);
+    }
+  });
+}
+
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps) {
+  // residual [tokens, hidden] contiguous, updated in place by += delta (when given); returns
+  // rms_norm(residual) * weight as a new tensor.
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be contiguous [tokens, hidden]");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1) &&
+              weight.scalar_type() == residual.scalar_type(), "weight must be [hidden] in the residual's dtype");
+  if (delta.has_value())
+    TORCH_CHECK(delta->sizes() == residual.sizes() && delta->is_contiguous() &&
+                delta->scalar_type() == residual.scalar_type(), "delta must match the residual");
+  auto out = torch::empty_like(residual);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_kernel<scalar_t>(residual.data_ptr<scalar_t>(),
+                                  delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
+                                  weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), residual.size(0),
+                                  residual.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+template <typename T>
+static void silu_and_mul_kernel(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
+  at::parallel_for(0, tokens, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t t = begin; t < end; ++t) {
+      to_float(gate_up + t * 2 * inter, g.data(), inter);
+      to_float(gate_up + t * 2 * inter + inter, u.data(), inter);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      from_float(g.data(), out + t * inter, inter);
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  // gate_up [tokens, 2 * inter] contiguous (gate then up) -> silu(gate) * up [tokens, inter]
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [tokens, 2 * intermediate]");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
+        "(residual, delta, weight, eps)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up]: (gate_up)");
 }
