@@ -1,5 +1,5 @@
-"""The fused CPU decode kernel and the gather+matmul path compute the same attention, and
-the engine gives the same tokens through either."""
+"""The fused CPU decode and prefill kernels and the gather + matmul/SDPA paths compute the
+same attention, and the engine gives the same tokens through either."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kvserve.model.attention import (
     paged_attention,
     rope_and_write_kv,
     use_decode_kernel,
+    use_prefill_kernel,
     write_kv,
 )
 from kvserve.model.llama import apply_rope
@@ -27,9 +28,11 @@ needs_kernel = pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), re
 
 def _decode_group(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int, heads: int, kv_heads: int,
                   dtype: torch.dtype, with_bias: bool) -> AttentionGroup:
+    if not with_bias:  # the C++ kernel
+        return AttentionGroup(0, len(lens), 1, block_tables, None, lens, False, None)
     kv_len = block_tables.shape[1] * block_size
     mask = (torch.arange(kv_len)[None, :] < lens[:, None])[:, None, None, :]
-    bias = attention_bias(mask, heads, kv_heads, dtype) if with_bias else None
+    bias = attention_bias(mask, heads, kv_heads, dtype)
     return AttentionGroup(0, len(lens), 1, block_tables, mask, lens, False, bias)
 
 
@@ -62,15 +65,49 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
+@pytest.mark.parametrize("cached", [False, True])  # True: each chunk follows a prefix already in the pool
+def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_size: int, heads: int,
+                                          kv_heads: int, dim: int, cached: bool) -> None:
+    torch.manual_seed(2)
+    query_len = 7
+    lens = torch.tensor([7, 30, 100]) if cached else torch.full((3,), query_len)
+    batch = len(lens)
+    width = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = batch * width + 1
+    pool = torch.randn(num_blocks, 2 * kv_heads, block_size, dim).to(dtype)
+    ids = torch.randperm(num_blocks - 1)[: batch * width].view(batch, width) + 1
+    tables = torch.where(torch.arange(width)[None, :] * block_size < lens[:, None], ids, torch.zeros_like(ids))
+    query = torch.randn(batch * query_len, heads, dim).to(dtype)
+    key_pos = torch.arange(width * block_size)
+    query_pos = lens[:, None] - query_len + torch.arange(query_len)[None, :]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
+    fresh = not cached
+    slots = torch.zeros(0, dtype=torch.long)
+    outs = []
+    for group_mask in (mask, None):  # gather + SDPA, then the kernel
+        group = AttentionGroup(0, batch, query_len, tables, group_mask, lens, fresh, None)
+        meta = AttentionMetadata(slots, slots, [group])
+        outs.append(paged_attention(query, pool, meta, dim**-0.5).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
 @needs_kernel
 def test_engine_tokens_same_with_and_without_kernel(tiny_model_factory: Callable[..., Path]) -> None:
-    path = str(tiny_model_factory("qwen2"))
+    # head_dim 64, which the prefill kernel serves; chunks of 40 make cached-prefix prefills too
+    path = str(tiny_model_factory("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
     prompts = [[5] * 3, list(range(1, 90)), [9, 8, 7, 6]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     results = []
     for kernel in (True, False):
         llm = LLM(path, kv_cache_memory="4MiB", max_num_batched_tokens=40)
-        llm.engine.runner.decode_kernel = kernel
+        runner = llm.engine.runner
+        assert runner.prefill_kernel == use_prefill_kernel("cpu", 64, torch.float32)
+        if not kernel:
+            runner.decode_kernel = runner.prefill_kernel = False
         results.append([o.token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1]
 

@@ -19,6 +19,7 @@ from kvserve.model.attention import (
     attention_bias,
     kv_write_rows,
     use_decode_kernel,
+    use_prefill_kernel,
 )
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.block_size = kv_manager.block_size
         self.dtype = kv_cache.storage.dtype
         self.decode_kernel = use_decode_kernel(device)
+        self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype)
 
     def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
         """One attention call for chunks of equal query length."""
@@ -42,17 +44,19 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
         lens = torch.tensor(seq_lens, device=self.device)
+        fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks)
+        if self.decode_kernel if query_len == 1 else self.prefill_kernel:
+            return AttentionGroup(token_start, len(chunks), query_len, block_tables, None, lens, fresh, None)
         kv_len = width * self.block_size
         # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it.
         key_pos = torch.arange(kv_len, device=self.device)
         query_pos = lens[:, None] - query_len + torch.arange(query_len, device=self.device)[None, :]
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
         bias = None
-        if query_len == 1 and not self.decode_kernel:
+        if query_len == 1:
             # measured on CPU: batched matmuls win for decode, SDPA's flash kernel for prefill
             cfg = self.model.config
             bias = attention_bias(mask, cfg.num_heads, cfg.num_kv_heads, self.dtype)
-        fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks)
         return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask, lens, fresh, bias)
 
     @torch.inference_mode()

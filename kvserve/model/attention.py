@@ -1,7 +1,8 @@
 """Paged attention: write new K/V into the block pool, read each sequence through its table.
 
-On CPU, decode groups (one query token per sequence) go through the fused C++ kernel, which
-reads K/V in place through the block tables. Every other group gathers its sequences' whole
+On CPU, decode groups (one query token per sequence) and prefill groups go through fused C++
+kernels that read K/V in place through the block tables. Elsewhere (CUDA, no compiler, a head
+size the prefill kernel has no vector path for) a group gathers its sequences' whole
 blocks (one index_select per layer for K and V together; the table tensor is built once per
 step and shared by all layers) into a transient [2*kv_heads, batch, blocks*block_size,
 head_dim] tensor. Padding entries point at the zeroed null block; positions at or past a
@@ -10,6 +11,7 @@ sequence's length are masked out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +30,15 @@ class AttentionGroup:
     batch: int
     query_len: int
     block_tables: torch.Tensor  # [batch, max_blocks] physical block ids (0 = null block)
-    mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size] True = attend
+    mask: torch.Tensor | None  # [batch, 1, query_len, max_blocks * block_size] True = attend; None: C++ kernel
     seq_lens: torch.Tensor  # [batch] tokens in the cache after this step's writes
     causal_from_start: bool  # every chunk starts at position 0: plain causal attention
     bias: torch.Tensor | None  # additive mask for the matmul decode path (None: kernel or SDPA)
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Served by a C++ kernel (decode or prefill), which needs no mask."""
+        return self.mask is None
 
 
 @dataclass(slots=True)
@@ -45,6 +52,19 @@ class AttentionMetadata:
 def use_decode_kernel(device: torch.device) -> bool:
     """Decode groups use the fused C++ kernels on CPU when they compiled."""
     return device.type == "cpu" and cpu_op("paged_decode_attention") is not None
+
+
+@functools.cache
+def use_prefill_kernel(device_type: str, head_dim: int, dtype: torch.dtype) -> bool:
+    """Prefill groups use the C++ kernel on CPU where it has a vector path for this head size
+    and dtype (it says so by running: a one-token probe)."""
+    op = cpu_op("paged_prefill_attention")
+    if device_type != "cpu" or op is None:
+        return False
+    query = torch.zeros(1, 1, head_dim, dtype=dtype)
+    pool = torch.zeros(2, 2, 1, head_dim, dtype=dtype)
+    return bool(op(torch.empty_like(query), query, pool, torch.ones(1, 1, dtype=torch.long),
+                   torch.ones(1, dtype=torch.long), 1, 1.0))
 
 
 def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -107,13 +127,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
-        if group.query_len == 1 and group.bias is None:
-            kernel = cpu_op("paged_decode_attention")
-            assert kernel is not None, "decode groups without a bias need the fused kernel"
+        if group.uses_kernel:
             # reads K/V in place through the block tables (no gathered copy), writes into out
-            with record_function("kvserve::paged_decode_attention"):
-                kernel(out[group.token_start : end], query[group.token_start : end], kv_cache, group.block_tables,
-                       group.seq_lens, scale)
+            name = "paged_decode_attention" if group.query_len == 1 else "paged_prefill_attention"
+            kernel = cpu_op(name)
+            assert kernel is not None, "groups without a mask need the C++ kernels"
+            args = (out[group.token_start : end], query[group.token_start : end], kv_cache, group.block_tables,
+                    group.seq_lens)
+            with record_function("kvserve::" + name):
+                if group.query_len == 1:
+                    kernel(*args, scale)
+                else:
+                    assert kernel(*args, group.query_len, scale), "the prefill kernel refused a supported shape"
             continue
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
         width = group.block_tables.shape[1]
@@ -122,6 +147,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         kv = kv.reshape(two_kv_heads, group.batch, width * block_size, head_dim)
         k, v = kv[:kv_heads], kv[kv_heads:]
         if group.bias is None:
+            assert group.mask is not None
             # With no cached prefix, top-left causal alignment is exact (padded keys lie past
             # every query) and SDPA's is_causal path is ~30% faster than an explicit mask.
             o = F.scaled_dot_product_attention(

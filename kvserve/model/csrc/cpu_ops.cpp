@@ -15,21 +15,62 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__)
+// exp for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 split hi/lo (Cody-Waite),
+// e^r by its degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7). Inputs here
+// are <= 0 (scores minus their max); below -87 the result flushes to 0.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+#endif
+
 // Softmax of each of `rows` score rows of length len, in place, in float32.
 static void softmax_rows(float* scores, int64_t rows, int64_t len) {
   for (int64_t g = 0; g < rows; ++g) {
     float* pg = scores + g * len;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < len; i += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(len - i), pg + i));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = tail_mask(len - i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + i), mx));
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+      _mm512_mask_storeu_ps(pg + i, m, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = tail_mask(len - i);
+      _mm512_mask_storeu_ps(pg + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), inv));
+    }
+#else
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t pos = 0; pos < len; ++pos) mx = std::max(mx, pg[pos]);
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
     for (int64_t pos = 0; pos < len; ++pos) {
       pg[pos] = std::exp(pg[pos] - mx);
       sum += pg[pos];
     }
     const float inv = 1.f / sum;
-#pragma omp simd
     for (int64_t pos = 0; pos < len; ++pos) pg[pos] *= inv;
+#endif
   }
 }
 
@@ -364,11 +405,151 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+#if defined(__AVX512F__)
+// Prefill attention for RB query rows of one (sequence, KV head): scores against 16 keys at a
+// time from the transposed float32 keys (a broadcast query value times a row of 16 keys, so no
+// horizontal sums), a float32 softmax per row over its causal length, then probabilities times
+// values with the RB rows' accumulators in registers.
+template <int NV, int RB>
+static void prefill_rows(const float* qf, const int64_t* row_len, const float* keys_t, int64_t stride,
+                         const float* values, float* scores, float* acc) {
+  constexpr int64_t dim = NV * 16;
+  int64_t max_len = 0;
+  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  for (int64_t tile = 0; tile * 16 < max_len; ++tile) {
+    __m512 s[RB];
+    for (int r = 0; r < RB; ++r) s[r] = _mm512_setzero_ps();
+    const float* col = keys_t + tile * 16;
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 k = _mm512_loadu_ps(col + d * stride);
+      for (int r = 0; r < RB; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * dim + d]), k, s[r]);
+    }
+    for (int r = 0; r < RB; ++r) _mm512_storeu_ps(scores + r * stride + tile * 16, s[r]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* row = scores + r * stride;
+    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r]);
+    std::fill(row + row_len[r], row + max_len, 0.f);  // keys past a row's position get no weight
+  }
+  __m512 a[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < max_len; ++j) {
+    __m512 v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(values + j * dim + 16 * i);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r * stride + j]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(p, v[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
+}
+
+template <typename T, int NV, int RB>
+static void prefill_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
+                           T* out, int64_t out_stride, int64_t batch, int64_t query_len, int64_t heads,
+                           int64_t kv_heads, int64_t width, int64_t block_size, float scale) {
+  constexpr int64_t dim = NV * 16;
+  const int64_t group = heads / kv_heads;
+  const int64_t block_stride = 2 * kv_heads * block_size * dim;
+  // Phase 1: each sequence's keys, transposed to [dim][len16], and values [len16][dim], float32.
+  std::vector<int64_t> padded(batch), base(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    padded[b] = (lens[b] + 15) / 16 * 16;
+    base[b + 1] = base[b] + kv_heads * padded[b] * dim;
+  }
+  std::vector<float> keys_t(base[batch]), values(base[batch]);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / kv_heads, h = job % kv_heads, len = lens[b], stride = padded[b];
+      float* kt = keys_t.data() + base[b] + h * stride * dim;
+      float* vs = values.data() + base[b] + h * stride * dim;
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const T* block = kv + tables[b * width + pos / block_size] * block_stride;
+        const T* krow = block + (h * block_size + pos % block_size) * dim;
+        for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
+        to_float(block + ((kv_heads + h) * block_size + pos % block_size) * dim, vs + pos * dim, dim);
+      }
+      for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * stride + len, kt + (d + 1) * stride, 0.f);
+    }
+  });
+  // Phase 2: tiles of RB query rows (row = position * group + head in group). Causal tiles
+  // cost more the later they sit, so jobs are dealt from both ends to balance the threads.
+  const int64_t tiles_per_head = (query_len * group + RB - 1) / RB;
+  const int64_t jobs = batch * kv_heads * tiles_per_head;
+  int64_t max_stride = 0;
+  for (int64_t b = 0; b < batch; ++b) max_stride = std::max(max_stride, padded[b]);
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(RB * dim), acc(RB * dim), scores(RB * std::max<int64_t>(max_stride, 16));
+    int64_t row_len[RB];
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t job = k % 2 == 0 ? k / 2 : jobs - 1 - k / 2;
+      const int64_t tile = job % tiles_per_head, bh = job / tiles_per_head;
+      const int64_t b = bh / kv_heads, h = bh % kv_heads, stride = padded[b];
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = tile * RB + r, i = row / group, g = row % group;
+        if (row >= query_len * group) {
+          row_len[r] = 0;
+          std::fill(qf.begin() + r * dim, qf.begin() + (r + 1) * dim, 0.f);
+          continue;
+        }
+        row_len[r] = lens[b] - query_len + i + 1;
+        to_float(q + (b * query_len + i) * q_stride + (h * group + g) * dim, qf.data() + r * dim, dim);
+        for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] *= scale;
+      }
+      prefill_rows<NV, RB>(qf.data(), row_len, keys_t.data() + base[b] + h * stride * dim, stride,
+                           values.data() + base[b] + h * stride * dim, scores.data(), acc.data());
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = tile * RB + r, i = row / group, g = row % group;
+        if (row < query_len * group)
+          from_float(acc.data() + r * dim, out + (b * query_len + i) * out_stride + (h * group + g) * dim, dim);
+      }
+    }
+  });
+}
+#endif
+
+bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                             torch::Tensor seq_lens, int64_t query_len, double scale) {
+  // q, out: [batch * query_len, heads, dim] rows; sequence b's queries are its last query_len
+  // positions (its K/V, cached prefix included, already in the pool). Returns false, touching
+  // nothing, where this build has no vector path for the shape (the caller falls back).
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  TORCH_CHECK(q.size(0) == block_tables.size(0) * query_len, "q must hold query_len tokens per sequence");
+  bool done = false;
+#if defined(__AVX512F__)
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(1) / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      auto run = [&](auto kernel) {
+        kernel(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+               lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
+               kv_heads, tables.size(1), kv_cache.size(2), static_cast<float>(scale));
+        done = true;
+      };
+      if (dim == 64) run(prefill_kernel<scalar_t, 4, 4>);
+      else if (dim == 128) run(prefill_kernel<scalar_t, 8, 2>);
+    }
+  });
+#endif
+  return done;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention for query_len new tokens per sequence over the paged cache, written into out; "
+        "False where unsupported: (out, q, kv_cache, block_tables, seq_lens, query_len, scale)");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");
