@@ -43,11 +43,12 @@ def main() -> None:
     if args.workload == "mixed":
         prefill, decode = [], []
         while engine.has_unfinished_requests():
-            waiting = len(engine.scheduler.waiting)
+            # judged before the step: a step that finishes the last prompt chunk is a prefill step
+            has_prefill = bool(engine.scheduler.waiting) or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
             start = time.perf_counter()
             engine.step()
-            (prefill if waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
-             else decode).append((time.perf_counter() - start, engine.num_running))
+            (prefill if has_prefill else decode).append((time.perf_counter() - start, engine.num_running))
         busiest = max(decode, key=lambda s: s[1])
         print(f"{args.dtype}, {path}: {sum(s[0] for s in prefill):.1f} s in {len(prefill)} steps with prefill, "
               f"{sum(s[0] for s in decode):.1f} s in {len(decode)} decode-only steps "
