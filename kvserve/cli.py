@@ -1,4 +1,4 @@
-"""Command line: ``kvserve generate``."""
+"""Command line: ``kvserve generate`` and ``kvserve plan``."""
 
 from __future__ import annotations
 
@@ -116,10 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(gen)
+    from kvserve.plan.cli import add_plan_args, cmd_plan
+
+    planner = sub.add_parser("plan", help="capacity plan: KV bytes, fit verdict and what-if before you deploy")
+    add_plan_args(planner)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "plan":
+            return cmd_plan(args)
     except ValueError as e:  # ConfigError, InvalidRequestError, ModelLoadError
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

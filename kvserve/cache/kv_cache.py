@@ -13,16 +13,6 @@ from __future__ import annotations
 import torch
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x KV heads x head_dim x bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
-    """How many whole blocks (the null block included) a byte budget buys."""
-    return budget_bytes // (block_size * bytes_per_token)
-
-
 class PagedKVCache:
     """Preallocated K/V tensors; block 0 (the null block) is zero-filled."""
 

@@ -11,8 +11,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvserve.cache.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget
+from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
+from kvserve.cache.kv_format import KVLayout, kv_block_bytes, normalize_kv_dtype, num_blocks_for_budget
 from kvserve.config import ConfigError, EngineConfig, format_bytes, machine_memory_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
@@ -20,6 +21,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
+from kvserve.plan.memory import estimate_activation_bytes
 
 logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,18 +70,6 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def estimate_activation_bytes(config: ModelConfig, num_tokens: int, max_num_seqs: int, max_model_len: int,
-                              elem_bytes: int) -> int:
-    """Upper estimate of the forward pass's transient memory (used on CPU, where there is no
-    allocator to profile): a few residual-stream copies, the fused projections, one prefill's
-    attention scores, and float32 logits for every sampled row."""
-    per_token = 4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-    per_token += 3 * config.intermediate_size
-    scores = config.num_heads * num_tokens * min(max_model_len, num_tokens + max_model_len) * 4
-    logits = 2 * max_num_seqs * config.vocab_size * 4
-    return per_token * num_tokens * elem_bytes + scores + logits
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded`` lets several engines (e.g. different block sizes) share one model."""
@@ -97,8 +87,11 @@ class LLMEngine:
         model_config = self.model_config
         self.max_model_len = self._max_model_len()
 
-        self.kv_bytes_per_token = kv_bytes_per_token(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype)
+        # the same formula the planner uses (kvserve.cache.kv_format), so the two agree
+        self.kv_cache_dtype = normalize_kv_dtype("auto", str(self.dtype).removeprefix("torch."))
+        self.kv_block_bytes = kv_block_bytes(KVLayout.standard(model_config.num_kv_heads, model_config.head_dim),
+                                             model_config.num_layers, self.kv_cache_dtype, config.block_size)
+        self.kv_bytes_per_token = self.kv_block_bytes // config.block_size
         self.num_blocks = self._size_pool()
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
@@ -123,7 +116,7 @@ class LLMEngine:
 
     def _size_pool(self) -> int:
         cfg = self.config
-        block_bytes = cfg.block_size * self.kv_bytes_per_token
+        block_bytes = self.kv_block_bytes
         if cfg.kv_cache_memory is not None:
             budget = int(cfg.kv_cache_memory)
             source = f"kv_cache_memory={format_bytes(budget)}"
@@ -140,7 +133,7 @@ class LLMEngine:
                       f"- weights {format_bytes(self.weight_bytes)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
-        num_blocks = num_blocks_for_budget(budget, cfg.block_size, self.kv_bytes_per_token)
+        num_blocks = num_blocks_for_budget(budget, block_bytes)
         if num_blocks < 2:
             raise ConfigError(
                 f"{source} is smaller than one KV block of {cfg.block_size} tokens "
@@ -167,7 +160,10 @@ class LLMEngine:
         tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
         if self.device.type != "cuda":
             elem = torch.empty((), dtype=self.dtype).element_size()
-            return estimate_activation_bytes(mcfg, tokens, cfg.max_num_seqs, self.max_model_len, elem)
+            return estimate_activation_bytes(
+                hidden_size=mcfg.hidden_size, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
+                head_dim=mcfg.head_dim, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
+                num_tokens=tokens, max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, elem_bytes=elem)
         # Profile one max-size prefill against a throwaway pool sized for it.
         bs = cfg.block_size
         blocks = -(-tokens // bs) + 1

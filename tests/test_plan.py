@@ -1,0 +1,199 @@
+"""kvserve plan: the worked examples of BRIEF.md §1, presets (MLA, sliding windows), the
+cross-check against the engine's own pool, and bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.cache.kv_format import KV_DTYPES, KVLayout, kv_block_bytes
+from kvserve.cli import main
+from kvserve.engine.engine import LoadedModel
+from kvserve.plan import ModelSpec, SpecError, plan, preset
+from kvserve.plan.planner import kv_blocks_for_budget
+
+GiB = 2**30
+
+
+def explicit(layers: int, q_heads: int, kv_heads: int, head_dim: int, params: int = 8 * 10**9,
+             dtype: str = "fp16") -> ModelSpec:
+    return ModelSpec.from_hf_config(
+        {"num_hidden_layers": layers, "num_attention_heads": q_heads, "num_key_value_heads": kv_heads,
+         "head_dim": head_dim, "hidden_size": q_heads * head_dim, "torch_dtype": "float16"},
+        name="explicit", params=params).with_dtype(dtype)
+
+
+def test_example_a_7b_gqa_fp16() -> None:
+    report = plan(explicit(32, 32, 8, 128, params=7 * 10**9), concurrency=32, context=4096,
+                  device_memory=80 * 10**9)
+    assert report.kv_bytes_per_token == 131072  # 128 KiB
+    assert report.kv_bytes_total == 16 * GiB
+    assert report.tail_waste_bytes == 0  # 4096 is a whole number of 16-token blocks
+
+
+def test_example_b_8b_does_not_fit_24gb_and_int8_is_still_over() -> None:
+    spec = explicit(36, 40, 8, 128)
+    report = plan(spec, concurrency=16, context=8192, device_memory="24GB", gpu_memory_utilization=1.0,
+                  activation_memory=4 * 10**9)
+    assert report.kv_bytes_per_token == 147456  # 144 KiB
+    assert report.kv_bytes_total == 18 * GiB
+    assert report.weight_bytes == 16 * 10**9
+    assert 39 * 10**9 < report.total_bytes < 40 * 10**9  # "~40 GB"
+    assert not report.fits and report.margin_bytes < 0
+    int8 = next(w for w in report.what_if if w.kv_dtype == "int8")
+    assert 9 * GiB <= int8.kv_bytes_total < 9.5 * GiB  # ~9 GiB, scales included
+    assert not int8.fits and 29 * 10**9 < int8.total_bytes < 31 * 10**9  # "~29 GB, still over"
+    assert any(line.startswith("INT8 KV") and "still over" in line for line in report.advice)
+    assert any(line.startswith("At INT8") and "13 sessions x 4096 tokens" in line for line in report.advice)
+    # "or cut to 12 sessions x 4096 tokens": at INT8 they fit
+    cut = plan(spec, concurrency=12, context=4096, device_memory="24GB", gpu_memory_utilization=1.0,
+               activation_memory=4 * 10**9, kv_dtype="int8")
+    assert cut.fits and cut.max_concurrency >= 12
+
+
+def test_example_c_gqa_8x_and_mqa_64x() -> None:
+    per_token = {kv: plan(explicit(80, 64, kv, 128, params=70 * 10**9), device_memory=10**12).kv_bytes_per_token
+                 for kv in (64, 8, 1)}
+    assert per_token[64] / per_token[8] == 8
+    assert per_token[64] / per_token[1] == 64
+    assert [explicit(80, 64, kv, 128).attention for kv in (64, 8, 1)] == ["mha", "gqa", "mqa"]
+
+
+def test_mla_preset_caches_the_latent_only() -> None:
+    spec = preset("deepseek-v3")
+    assert spec.attention == "mla"
+    report = plan(spec, context=131072, device_memory="1TB")
+    assert report.kv_bytes_per_token == 61 * (512 + 64) * 2  # 70272 B: no factor 2, no per-head K/V
+    mha_equivalent = explicit(61, 128, 128, 192).kv_layout.elements  # what full K/V heads would hold
+    assert mha_equivalent / spec.kv_layout.elements > 40
+    assert report.kv_bytes_total == 131072 * 70272
+
+
+def test_sliding_window_layers_cap_at_the_window() -> None:
+    gemma = preset("gemma-3-27b")
+    assert (gemma.num_sliding_layers, gemma.sliding_window) == (52, 1024)  # every 6th of 62 layers is global
+    layer_block = kv_block_bytes(gemma.kv_layout, 1, "bf16", 16)
+    report = plan(gemma, context=8192, device_memory="80GB")
+    assert report.kv_bytes_per_sequence == (10 * 512 + 52 * 64) * layer_block
+    mistral = preset("mistral-7b-v0.1")
+    short, long = (plan(mistral, context=c, device_memory="80GB").kv_bytes_per_sequence for c in (4096, 32768))
+    assert short == long  # every layer slides over 4096 tokens
+
+
+def test_kv_dtypes_shrink_in_order_and_int4_keeps_a_full_precision_tail() -> None:
+    spec = explicit(32, 32, 8, 128)
+    sizes = {d: plan(spec, device_memory="80GB", kv_dtype=d).kv_bytes_per_token for d in KV_DTYPES}
+    assert sizes["fp32"] == 2 * sizes["fp16"] == 2 * sizes["bf16"]
+    assert sizes["fp8_e4m3"] == sizes["fp16"] / 2
+    assert sizes["fp16"] / 2 < sizes["int8"] < sizes["fp16"] / 2 * 1.05  # scales cost < 5%
+    assert sizes["fp16"] / 4 < sizes["int4"] < sizes["int8"]
+    per_block = plan(spec, device_memory="80GB", kv_dtype="int8", key_scales="block").kv_bytes_per_token
+    assert per_block - sizes["int8"] == 32 * 8 * 128 * 4 / 16  # a float32 scale per channel per block
+    one = plan(spec, context=16, device_memory="80GB", kv_dtype="int4").kv_bytes_per_sequence
+    assert one == kv_block_bytes(spec.kv_layout, 32, "int4", 16) + kv_block_bytes(spec.kv_layout, 32, "fp16", 16)
+
+
+def test_max_concurrency_and_context_are_tight() -> None:
+    spec = explicit(32, 32, 8, 128)
+    r = plan(spec, concurrency=10, context=4096, device_memory="40GB", activation_memory=10**9)
+    available = r.usable_bytes - r.weight_bytes - r.activation_bytes
+    per_seq = r.kv_bytes_per_sequence
+    assert r.max_concurrency * per_seq <= available < (r.max_concurrency + 1) * per_seq
+    at = plan(spec, concurrency=10, context=r.max_context, device_memory="40GB", activation_memory=10**9)
+    over = plan(spec, concurrency=10, context=r.max_context + 16, device_memory="40GB", activation_memory=10**9)
+    assert at.fits and not over.fits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_plan_agrees_with_the_engine_pool(dtype: torch.dtype, block_size: int, smollm: LoadedModel,
+                                          tiny_model_factory: Callable[..., Path]) -> None:
+    """For the engine's own configuration, plan's bytes per token and block count equal what the
+    engine allocates (every KV dtype the engine supports today: the model's own, 'auto')."""
+    if dtype == torch.float32:
+        llm, spec = LLM(loaded=smollm, block_size=block_size, kv_cache_memory="96MiB"), ModelSpec.from_model(
+            "smollm2-135m")
+    else:
+        path = str(tiny_model_factory("qwen2"))
+        llm, spec = LLM(path, dtype=str(dtype).removeprefix("torch."), block_size=block_size,
+                        kv_cache_memory="8MiB"), ModelSpec.from_model(path)
+    engine = llm.engine
+    kv_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    report = plan(spec, device_memory="1TB", kv_dtype=kv_dtype, block_size=block_size)
+    assert report.kv_bytes_per_token == engine.kv_bytes_per_token
+    budget = int(engine.config.kv_cache_memory)
+    assert kv_blocks_for_budget(spec, kv_dtype, block_size, budget) == engine.num_blocks
+    assert engine.kv_cache.nbytes == engine.num_blocks * block_size * report.kv_bytes_per_token
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_has_stable_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--layers", "36", "--q-heads", "40", "--kv-heads", "8", "--head-dim", "128",
+                        "--params", "8B", "--dtype", "fp16", "--concurrency", "16", "--context", "8192",
+                        "--device-memory", "24GB", "--json")
+    data: dict[str, Any] = json.loads(out)
+    assert code == 0  # the verdict is data: exit 0 although it does not fit
+    assert data["schema_version"] == 1 and data["fits"] is False
+    assert data["kv_bytes_per_token"] == 147456 and data["kv_bytes_total"] == 18 * GiB
+    expected = {"model", "concurrency", "context", "block_size", "kv_dtype", "weight_dtype", "device_memory_bytes",
+                "gpu_memory_utilization", "usable_bytes", "kv_bytes_per_sequence", "tail_waste_bytes",
+                "weight_bytes", "activation_bytes", "total_bytes", "margin_bytes", "max_concurrency", "max_context",
+                "what_if", "advice"}
+    assert expected <= set(data)
+    assert {w["kv_dtype"] for w in data["what_if"]} >= {"fp16", "fp8_e4m3", "int8", "int4"}
+
+
+def test_cli_table_for_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--model", "smollm2-135m", "--concurrency", "64", "--context", "2048",
+                        "--device-memory", "16GB")
+    assert code == 0
+    assert "23,040" in out  # 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes (bf16)
+    assert "fits" in out and "what if" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "llama-3.1-8b", "--concurrency", "0"], "concurrency must be positive, got 0"),
+    (["--preset", "llama-3.1-8b", "--context", "-5"], "context must be positive, got -5"),
+    (["--preset", "gpt-5"], "unknown preset 'gpt-5' (known: llama-3.1-8b"),
+    (["--preset", "qwen3-8b", "--kv-cache-dtype", "int3"], "unknown KV cache dtype 'int3'"),
+    (["--preset", "qwen3-8b", "--device-memory", "lots"], "'lots'"),
+    (["--layers", "32", "--q-heads", "32"], "need --head-dim"),
+    (["--preset", "qwen3-8b", "--params", "-1"], "--params must be positive"),
+    (["--preset", "qwen3-8b", "--block-size", "24"], "block_size must be a power of two, got 24"),
+    (["--preset", "qwen3-8b", "--model", "smollm2-135m"], "give one model source"),
+])
+def test_cli_bad_input_exits_2_naming_the_value(capsys: pytest.CaptureFixture[str], args: list[str],
+                                                message: str) -> None:
+    code, _, err = _run(capsys, *args, "--device-memory", "24GB") if "--device-memory" not in args else _run(
+        capsys, *args)
+    assert code == 2 and message in err
+
+
+def test_config_without_needed_fields_says_which(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    code, _, err = _run(capsys, "--model", str(config), "--device-memory", "24GB")
+    assert code == 2 and "num_hidden_layers" in err and "num_attention_heads" in err
+    with pytest.raises(SpecError, match="num_heads=10 is not a multiple of num_kv_heads=3"):
+        explicit(4, 10, 3, 64)
+
+
+def test_spec_from_hf_config_file_and_gqa_layout(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                                  "hidden_size": 1024, "head_dim": 128, "intermediate_size": 3072,
+                                  "vocab_size": 151936, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}))
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.kv_layout == KVLayout.standard(8, 128) and spec.dtype == "bf16"
+    assert 0.5e9 < spec.params < 0.8e9  # Qwen3-0.6B-shaped: ~0.6 B
