@@ -121,7 +121,7 @@ static inline __m512 load16(const c10::Half* p) {
 }
 
 static inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
 }
 
 // The same job with AVX-512 for head_dim = 16 * NV and G query heads per KV head, so the
