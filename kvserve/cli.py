@@ -26,6 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached blocks of shared prompt prefixes (default: on)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="admission order: arrival, or longest cached prefix first (bounded wait)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -35,7 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization,
         "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "kv_cache_dtype": args.kv_cache_dtype, "seed": args.seed,
+        "kv_cache_dtype": args.kv_cache_dtype, "enable_prefix_caching": args.enable_prefix_caching,
+        "scheduling_policy": args.scheduling_policy, "seed": args.seed,
     }
 
 

@@ -70,6 +70,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True  # on by default, as in vLLM v1
+    scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first (bounded wait)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,6 +85,8 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ConfigError(f"scheduling_policy must be fcfs or lpm, got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kv_cache_memory is not None:

@@ -1,7 +1,13 @@
-"""Physical KV blocks: reference counts and an O(1) free queue.
+"""Physical KV blocks: reference counts, an O(1) free queue, and the prefix cache's map from
+content keys to blocks.
 
 Block 0 is the *null block*: it is never handed out and its slots stay zero, so padded
 gathers in the attention op can point at it without reading uninitialised memory.
+
+Prefix caching: a full block may carry a *block hash*, a key chained over every token up to
+and including its own (see kv_cache_manager.hash_block). A hashed block whose ref count drops
+to 0 stays in the map and in the free queue: it can be revived by a later request with the same
+prefix, or evicted — least recently freed first — when a new block is needed.
 """
 
 from __future__ import annotations
@@ -10,11 +16,12 @@ from __future__ import annotations
 class KVCacheBlock:
     """One physical block of ``block_size`` token slots in every layer's K and V."""
 
-    __slots__ = ("block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set while the block is in the prefix cache
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -56,14 +63,24 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        if block.prev_free is not None or block.next_free is not None:
-            raise ValueError(f"{block} is already in the free queue")
+        """To the back: taken last (a cached block, kept as long as possible)."""
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(last, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """To the front: taken first (a block with nothing worth keeping)."""
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev_block: KVCacheBlock, block: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        next_block = prev_block.next_free
+        assert next_block is not None
+        prev_block.next_free = block
+        block.prev_free = prev_block
+        block.next_free = next_block
+        next_block.prev_free = block
         self.num_free_blocks += 1
 
     def __iter__(self):  # type: ignore[no-untyped-def]
@@ -77,7 +94,8 @@ class BlockPool:
     """Owns every block. Only the KVCacheManager talks to it.
 
     Invariants: ref_cnt >= 0; a block with ref_cnt > 0 is not in the free queue;
-    num_free_blocks + blocks in use == num_blocks - 1 (the null block is in neither).
+    num_free_blocks + blocks in use == num_blocks - 1 (the null block is in neither);
+    cached_blocks[h].block_hash == h, and a block with a hash is in cached_blocks.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -88,6 +106,8 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
         # Never-used blocks leave the queue in id order (freed ones go to the back), so every
         # block with an id above this has never held data.
         self.max_block_id_used = 0
@@ -111,6 +131,10 @@ class BlockPool:
         blocks = []
         for _ in range(count):
             block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict: its content is about to be overwritten
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
             block.ref_cnt = 1
             blocks.append(block)
             self.max_block_id_used = max(self.max_block_id_used, block.block_id)
@@ -120,11 +144,38 @@ class BlockPool:
         """Drop one reference from each block; blocks reaching zero return to the queue.
 
         Callers pass a sequence's blocks tail-first so that, in LRU order, the end of a
-        chain is reused before its beginning.
+        chain is evicted before its beginning. Blocks without a hash go to the front: they hold
+        nothing reusable, so they are taken before any cached block is evicted.
         """
         for block in blocks:
             if block.ref_cnt <= 0 or block is self.null_block:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
+    def cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Publish a full block under its key, unless an equal block is already published
+        (then this copy simply stays private)."""
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks a new request reuses; idle ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1

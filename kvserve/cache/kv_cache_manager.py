@@ -1,14 +1,53 @@
-"""Per-request block tables on top of the BlockPool: the only door to the pool."""
+"""Per-request block tables on top of the BlockPool: the only door to the pool. With prefix
+caching on, also the prefix cache: full blocks are published under a chained content key as
+soon as their tokens are scheduled, and a new request starts from the longest chain of
+published blocks that matches its tokens."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 
+TokenReader = Callable[[int, int], list[int]]  # (start, end) -> the request's token ids in [start, end)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
+    """A block's content key: SHA-256 over its parent's key and its own token ids, so equal keys
+    mean equal whole prefixes (collision-resistant, no token comparison needed)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters since start-up (vLLM's prefix_cache_queries/hits are in tokens)."""
+
+    enabled: bool
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+    cached_blocks: int = 0  # blocks holding a published key
+    evictable_blocks: int = 0  # cached blocks no running request holds
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def __str__(self) -> str:
+        if not self.enabled:
+            return "prefix cache: off"
+        return (f"prefix cache: hit rate {100 * self.hit_rate:.1f}% ({self.hits}/{self.queries} tokens), "
+                f"{self.cached_blocks} cached blocks ({self.evictable_blocks} evictable), "
+                f"{self.evictions} evictions")
 
 
 @dataclass(slots=True)
@@ -30,6 +69,7 @@ class KVCacheStats:
     utilization_at_peak: float = 1.0
     mean_utilization: float = 1.0
     per_request_blocks: dict[str, int] = field(default_factory=dict)
+    prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(enabled=False))
 
     @property
     def usage(self) -> float:
@@ -58,7 +98,8 @@ class KVCacheStats:
             f"tail waste {self.tail_waste} slots | peak: usage {100 * self.peak_usage:.1f}% "
             f"({self.peak_blocks_used} blocks), live tokens {self.peak_live_tokens}, "
             f"{self.peak_num_requests} requests, utilization at peak {100 * self.utilization_at_peak:.1f}%, "
-            f"mean utilization {100 * self.mean_utilization:.1f}% | preemptions {self.num_preemptions}"
+            f"mean utilization {100 * self.mean_utilization:.1f}% | preemptions {self.num_preemptions} | "
+            f"{self.prefix_cache}"
         )
 
 
@@ -66,14 +107,21 @@ class KVCacheManager:
     """Maps each request to a block table and grows it on demand.
 
     Invariants: a request's table covers exactly cdiv(num_tokens, block_size) blocks;
-    no block appears in two tables; free() returns every block of the request at once.
+    free() returns every block of the request at once. A block is in two tables only as a
+    shared, published prefix block: full, and never written again (a request writes only at
+    positions at or past its num_computed_tokens, which lie after its cache hits).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self.num_tokens: dict[str, int] = {}
+        self.block_hashes: dict[str, list[bytes]] = {}  # keys of a request's full blocks so far
+        self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self._live_tokens = 0
         self.num_preemptions = 0
         self._peak_blocks = 0
@@ -93,28 +141,96 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= self.pool.num_usable_blocks
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Make room for the request's first ``num_tokens`` tokens. False if the pool is short
-        (nothing is allocated then)."""
-        table = self.block_tables.setdefault(request_id, [])
+    def _hashes(self, request_id: str, tokens: TokenReader, num_blocks: int) -> list[bytes]:
+        """Keys of the request's first ``num_blocks`` full blocks (computed once, then kept)."""
+        hashes = self.block_hashes.setdefault(request_id, [])
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens(i * size, (i + 1) * size)))
+        return hashes
+
+    def find_cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenReader) -> list[KVCacheBlock]:
+        """The longest run of cached blocks matching the request's first tokens. The last token is
+        always left to compute (its logits are needed), so only blocks inside the first
+        num_tokens - 1 tokens count. Takes no references (see allocate_slots) and counts
+        nothing (see record_prefix_lookup): a request the pool cannot admit yet looks again."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVCacheBlock] = []
+        for block_hash in self._hashes(request_id, tokens, (num_tokens - 1) // self.block_size):
+            block = self.pool.cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup: its tokens and how many came from the cache."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(self, request_id: str, num_tokens: int, tokens: TokenReader | None = None,
+                       cached: list[KVCacheBlock] | None = None) -> bool:
+        """Make room for the request's first ``num_tokens`` tokens, starting a new request's table
+        with ``cached`` (from find_cached_prefix). False if the pool is short (nothing is
+        allocated then). With caching on, ``tokens`` reads the request's token ids, and every
+        block that these tokens fill is published."""
+        table = self.block_tables.get(request_id)
+        if table is None:
+            table = list(cached or [])
+        elif cached:
+            raise ValueError(f"request {request_id!r} already has blocks; cached blocks start a table")
         missing = self.blocks_needed(num_tokens) - len(table)
-        if missing > self.pool.num_free_blocks:
-            if not table:
-                del self.block_tables[request_id]
+        reviving = sum(1 for block in cached or [] if block.ref_cnt == 0)  # leave the free queue
+        if missing > self.pool.num_free_blocks - reviving:
             return False
+        if request_id not in self.block_tables:
+            self.pool.touch(table)
+            self.block_tables[request_id] = table
+            self.num_published[request_id] = len(table)
         if missing > 0:
             table.extend(self.pool.get_new_blocks(missing))
         previous = self.num_tokens.get(request_id, 0)
         if num_tokens > previous:
             self.num_tokens[request_id] = num_tokens
             self._live_tokens += num_tokens - previous
+        if self.enable_prefix_caching and tokens is not None:
+            self._publish(request_id, num_tokens, tokens)
         return True
 
+    def _publish(self, request_id: str, num_tokens: int, tokens: TokenReader) -> None:
+        """Offer the blocks that ``num_tokens`` fill to the cache. They are computed in this step,
+        before any later step can hit them; a request admitted in this same step that hits one
+        reads it after this step's layers wrote it (each layer writes K/V before it attends)."""
+        table, start = self.block_tables[request_id], self.num_published[request_id]
+        full = num_tokens // self.block_size
+        if full <= start:
+            return
+        hashes = self._hashes(request_id, tokens, full)
+        for block, block_hash in zip(table[start:full], hashes[start:full], strict=True):
+            self.pool.cache_block(block, block_hash)
+        self.num_published[request_id] = full
+
     def free(self, request_id: str) -> None:
-        """Return all of a request's blocks to the pool (finished, aborted or preempted)."""
+        """Return all of a request's blocks to the pool (finished, aborted or preempted). Its
+        published blocks stay cached until evicted."""
         table = self.block_tables.pop(request_id, [])
         self._live_tokens -= self.num_tokens.pop(request_id, 0)
+        self.num_published.pop(request_id, None)
         self.pool.free_blocks(table[::-1])
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's remembered block keys."""
+        self.block_hashes.pop(request_id, None)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        cached = self.pool.cached_blocks.values()
+        return PrefixCacheStats(
+            enabled=self.enable_prefix_caching, queries=self.prefix_queries, hits=self.prefix_hits,
+            cached_blocks=len(cached), evictable_blocks=sum(1 for b in cached if b.ref_cnt == 0),
+            evictions=self.pool.num_evictions)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.block_tables[request_id]]
@@ -144,7 +260,7 @@ class KVCacheManager:
             num_blocks=self.pool.num_usable_blocks,
             blocks_used=used,
             blocks_free=self.pool.num_free_blocks,
-            blocks_cached=0,
+            blocks_cached=self.pool.num_cached_blocks,
             live_tokens=self._live_tokens,
             allocated_slots=used * self.block_size,
             num_requests=len(self.block_tables),
@@ -155,4 +271,5 @@ class KVCacheManager:
             utilization_at_peak=self._util_at_peak,
             mean_utilization=self._util_sum / self._util_samples if self._util_samples else 1.0,
             per_request_blocks={rid: len(t) for rid, t in self.block_tables.items()},
+            prefix_cache=self.prefix_cache_stats(),
         )

@@ -67,6 +67,7 @@ class RequestOutput:
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
     num_preemptions: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -96,8 +97,9 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
             model_config.head_dim, self.dtype, self.device)
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -319,6 +321,7 @@ class LLMEngine:
             logprobs=list(request.output_logprobs) if want_logprobs else None,
             top_logprobs=list(request.output_top_logprobs) if want_logprobs else None,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
         )
 

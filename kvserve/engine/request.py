@@ -32,6 +32,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (latest) admission
+    num_skips: int = 0  # times the lpm policy admitted a later request ahead of this one
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -2,7 +2,10 @@
 
 Each step spends a token budget (max_num_batched_tokens) over at most max_num_seqs
 requests: running requests first (a decode costs one token, an unfinished prompt a chunk),
-then waiting requests in arrival order. When the pool runs dry the most recently arrived
+then waiting requests — in arrival order ("fcfs"), or with policy "lpm" (SGLang's longest
+prefix match) those with the longest cached prefix first, except that a request passed over
+max_skips times goes first. A waiting request starts from its longest cached prefix (prefix
+caching) and computes only the rest. When the pool runs dry the most recently arrived
 running request is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (prompt + tokens generated so far) later. Nothing is dropped.
 """
@@ -28,11 +31,19 @@ class ScheduledChunk:
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+
+
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs", max_skips: int = 8) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.max_skips = max_skips  # lpm: how often a request may be passed over before it goes first
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_seq: the last is the newest
 
@@ -60,7 +71,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n, request.token_ids):
                 preempted = True
                 if self._preempt_newest() is request:
                     break
@@ -71,17 +82,40 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; everything after it is gone too
         # Admit waiting requests only when nobody had to be preempted this step.
+        lpm = self.policy == "lpm" and len(self.waiting) > 1
+        if lpm and not preempted and len(self.running) < self.max_num_seqs:
+            self._order_by_cached_prefix()
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            cached = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
+            computed = len(cached) * self.kv.block_size
+            n = min(request.num_tokens - computed, budget)
+            if not self.kv.allocate_slots(request.request_id, computed + n, request.token_ids, cached):
                 break
+            self.kv.record_prefix_lookup(request.num_tokens, computed)
             self.waiting.popleft()
+            if lpm:  # everyone who arrived earlier and still waits was passed over once more
+                for other in self.waiting:
+                    if other.arrival_seq < request.arrival_seq:
+                        other.num_skips += 1
+            request.num_computed_tokens = computed
+            request.num_cached_tokens = computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
         return chunks
+
+    def _order_by_cached_prefix(self) -> None:
+        """lpm: longest cached prefix first (stable, so arrival order among equals); requests
+        passed over max_skips times go first of all, in arrival order."""
+        def cached_tokens(request: Request) -> int:
+            hits = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
+            return len(hits) * self.kv.block_size
+
+        starving = [r for r in self.waiting if r.num_skips >= self.max_skips]
+        rest = sorted((r for r in self.waiting if r.num_skips < self.max_skips), key=cached_tokens, reverse=True)
+        self.waiting = deque(starving + rest)
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and release its blocks at once (finished or aborted)."""
@@ -90,5 +124,6 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
+        self.kv.forget(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
