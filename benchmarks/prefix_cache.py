@@ -21,7 +21,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -115,16 +114,10 @@ def vllm_generate(model: str, caching: bool, dtype: str) -> Generate:
 
 
 def run_vllm(python: str, folder: str, caching: bool, dtype: str) -> dict[str, Any]:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CPU_KVCACHE_SPACE="4")
-    cmd = [python, __file__, "--engine", "vllm", "--model", folder, "--dtype", dtype,
-           "--caching", "on" if caching else "off"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[7:])
-            return result
-    raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
+    from throughput import vllm_child_result
+
+    return vllm_child_result([python, __file__, "--engine", "vllm", "--model", folder, "--dtype", dtype,
+                              "--caching", "on" if caching else "off"], VLLM_CPU_KVCACHE_SPACE="4")
 
 
 def run_child(args: argparse.Namespace) -> None:

@@ -106,16 +106,20 @@ def export_hf_folder(dest: Path) -> Path:
     return dest
 
 
-def run_vllm(python: str, work: Workload, dtype: str, repeats: int, folder: Path) -> dict[str, Any]:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    cmd = [python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder),
-           "--workload", work.name, "--dtype", dtype, "--repeats", str(repeats)]
+def vllm_child_result(cmd: list[str], **env_vars: str) -> dict[str, Any]:
+    """Run a vLLM child process on both cores; return the JSON of its "RESULT " line."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", **env_vars)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[7:])
             return result
     raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
+
+
+def run_vllm(python: str, work: Workload, dtype: str, repeats: int, folder: Path) -> dict[str, Any]:
+    return vllm_child_result([python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder),
+                              "--workload", work.name, "--dtype", dtype, "--repeats", str(repeats)])
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
