@@ -8,8 +8,10 @@ back to torch ops (gather + batched matmuls, index_copy_ for the cache write, F.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,21 @@ def cpu_op(name: str) -> Any | None:
     silu_and_mul), or None where the extension is unavailable."""
     module = cpu_kernels()
     return None if module is None else getattr(module, name)
+
+
+def _cpu_fingerprint() -> str:
+    """Short hash of this CPU's model and feature flags. The ops are built with -march=native, so
+    a build cached for one CPU must not be loaded on another (illegal instructions)."""
+    text = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                text += line
+            if line.startswith("flags"):
+                break
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def cpu_kernels() -> Any | None:
@@ -39,7 +56,7 @@ def cpu_kernels() -> Any | None:
         source = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
         logger.info("loading the C++ CPU ops (compiled once, then cached)")
         module = load(
-            name="kvserve_cpu_ops",
+            name=f"kvserve_cpu_ops_{_cpu_fingerprint()}",
             sources=[str(source)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
