@@ -105,6 +105,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.config import EngineConfig
+    from kvserve.llm import _setup_logging
+    from kvserve.server.app import ServerConfig
+    from kvserve.server.serve import serve
+
+    if args.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be positive, got {args.max_waiting}")
+    _setup_logging()
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    serve(config, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                               max_waiting=args.max_waiting), args.host, args.port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-first LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,12 +140,21 @@ def main(argv: list[str] | None = None) -> int:
 
     planner = sub.add_parser("plan", help="capacity plan: KV bytes, fit verdict and what-if before you deploy")
     add_plan_args(planner)
+    server = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    server.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    server.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
+    add_engine_args(server)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except ValueError as e:  # ConfigError, InvalidRequestError, ModelLoadError
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

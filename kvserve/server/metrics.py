@@ -1,0 +1,82 @@
+"""Prometheus metrics, named like vLLM's with a ``kvserve:`` prefix. Pool and scheduler figures
+are read from the engine's latest snapshot at scrape time; per-request figures are observed
+when a request finishes (from the engine thread; prometheus_client is thread-safe)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvserve.engine.engine import LLMEngine, RequestOutput
+
+if TYPE_CHECKING:
+    from kvserve.server.async_engine import AsyncEngine
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _PoolCollector:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats, engine = self.engine.kv_stats, self.engine
+        cache = stats.prefix_cache
+        gauges = {
+            "kv_cache_usage_perc": ("Fraction of KV blocks held by requests (0..1)", stats.usage),
+            "kv_cache_utilization": ("Live tokens / allocated token slots", stats.utilization),
+            "kv_cache_tail_waste_slots": ("Allocated slots holding no token", stats.tail_waste),
+            "num_requests_running": ("Requests in the running batch", engine.num_running),
+            "num_requests_waiting": ("Requests waiting for admission", engine.num_waiting),
+            "avg_sequence_length": ("Mean tokens per running request",
+                                    stats.live_tokens / stats.num_requests if stats.num_requests else 0.0),
+            "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens", cache.hit_rate),
+            "prefix_cache_cached_blocks": ("Blocks holding a published prefix", cache.cached_blocks),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", cache.queries),
+            "prefix_cache_hits": ("Prompt tokens served from the prefix cache", cache.hits),
+            "num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
+            "prefix_cache_evictions": ("Cached blocks evicted", cache.evictions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
+        self.registry.register(_PoolCollector(engine))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvserve:{name}", doc, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", _TOKENS)
+        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request", _TOKENS)
+        self.sequence_length = histogram("request_sequence_length", "Prompt + generated tokens", _TOKENS)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _LATENCY)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per token after the first", _LATENCY)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if not out.finished:
+                continue
+            prompt, generated = len(out.prompt_token_ids), len(out.token_ids)
+            self.prompt_tokens.observe(prompt)
+            self.generation_tokens.observe(generated)
+            self.sequence_length.observe(prompt + generated)
+            ttft, e2e = out.metrics.get("ttft"), out.metrics.get("e2e")
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if e2e is not None:
+                self.e2e.observe(e2e)
+                if ttft is not None and generated > 1:
+                    self.tpot.observe((e2e - ttft) / (generated - 1))

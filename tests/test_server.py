@@ -1,0 +1,234 @@
+"""The HTTP server end to end: the real default model behind uvicorn on 127.0.0.1, driven by
+the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LoadedModel
+from kvserve.server.app import ServerConfig
+from kvserve.server.serve import build
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
+    import uvicorn
+
+    config = EngineConfig(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
+    engine, app = build(config, ServerConfig(model_name=MODEL, api_key=KEY, max_waiting=64), loaded=smollm)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield {"base": base, "engine": engine, "app": app,
+           "client": openai.OpenAI(base_url=base + "/v1", api_key=KEY)}
+    uv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise KeyError(name)
+
+
+def test_chat_and_completion_match_offline_generate(server: dict[str, Any], smollm: LoadedModel) -> None:
+    client: openai.OpenAI = server["client"]
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                           temperature=0)
+    offline = LLM(loaded=smollm, kv_cache_memory="64MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    expected_chat = offline.generate([offline.apply_chat_template(messages)], greedy)[0]
+    expected = offline.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert chat.choices[0].message.content == expected_chat.text
+    assert completion.choices[0].text == expected.text
+    assert completion.usage is not None and completion.usage.completion_tokens == len(expected.token_ids)
+    assert completion.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+
+def test_streaming_with_usage_and_stop(server: dict[str, Any]) -> None:
+    client: openai.OpenAI = server["client"]
+    full = client.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    pieces, usage = [], None
+    for chunk in client.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=24,
+                                           temperature=0, stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == text
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    stop = text.strip().split()[1] if len(text.split()) > 1 else text[:2]
+    stopped = client.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=24,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    chat_pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0, stream=True)]
+    assert "".join(chat_pieces)
+
+
+def test_sixteen_concurrent_streams_complete(server: dict[str, Any]) -> None:
+    async def one(i: int) -> int:
+        client = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=KEY)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me fact number {i} about the sea."}],
+            max_tokens=20, temperature=0.7, seed=i, stream=True, extra_body={"ignore_eos": True})
+        tokens = 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason is not None:
+                assert chunk.choices[0].finish_reason == "length"
+            tokens += 1
+        return tokens
+
+    async def run() -> list[int]:
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    counts = asyncio.run(run())
+    assert all(c > 1 for c in counts)
+    deadline = time.time() + 5
+    while metric(server["base"], "kvserve:num_requests_running") != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert metric(server["base"], "kvserve:num_requests_running") == 0
+
+
+def test_metrics_move(server: dict[str, Any]) -> None:
+    base, client = server["base"], server["client"]
+    prompt = "A long shared instruction about careful answers. " * 12
+    hits_before = metric(base, "kvserve:prefix_cache_hits_total")
+    seen_usage = []
+
+    def watch() -> None:
+        for _ in range(100):
+            seen_usage.append(metric(base, "kvserve:kv_cache_usage_perc"))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for _ in range(2):  # the second request reuses the first one's blocks
+        client.completions.create(model=MODEL, prompt=prompt + "Go.", max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    watcher.join()
+    assert max(seen_usage) > 0
+    assert metric(base, "kvserve:prefix_cache_hits_total") > hits_before
+    assert metric(base, "kvserve:request_generation_tokens_count") >= 2
+    assert metric(base, "process_resident_memory_bytes") > 0
+
+
+def test_client_disconnect_frees_blocks(server: dict[str, Any]) -> None:
+    base = server["base"]
+    body = {"model": MODEL, "prompt": "Write a very long story about a lighthouse.", "max_tokens": 400,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i > 6:
+                break  # drop the connection mid-stream
+    deadline = time.time() + 1.5
+    while time.time() < deadline:
+        kv = httpx.get(base + "/v1/kv", headers={"Authorization": f"Bearer {KEY}"}).json()
+        if kv["blocks_used"] == 0:
+            break
+        time.sleep(0.05)
+    assert kv["blocks_used"] == 0 and kv["num_requests"] == 0
+
+
+@pytest.mark.parametrize("case,status,fragment", [
+    ({"prompt": "x " * 9000, "max_tokens": 4}, 400, "more than max_model_len"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
+    ({"prompt": "hi", "n": 2}, 400, "n=1"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+        server: dict[str, Any], case: dict[str, Any], status: int, fragment: str) -> None:
+    base = server["base"]
+    body = {"model": MODEL, **case}
+    r = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and {"message", "type", "param", "code"} <= set(error)
+    ok = server["client"].completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert ok.choices[0].text is not None
+
+
+def test_malformed_json_empty_messages_and_bad_key(server: dict[str, Any]) -> None:
+    base, auth = server["base"], {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(base + "/v1/chat/completions", content=b"{not json", headers=auth)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    models = server["client"].models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert json.loads(httpx.get(base + "/health").text)["status"] == "ok"
+
+
+def test_full_queue_gets_503_and_oversized_body_413(server: dict[str, Any]) -> None:
+    base, auth, config = server["base"], {"Authorization": f"Bearer {KEY}"}, server["app"].state.server_config
+    config.max_waiting = 0  # every request finds the queue full
+    try:
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=auth)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    finally:
+        config.max_waiting = 64
+    limit, config.max_body_bytes = config.max_body_bytes, 100
+    try:
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x" * 200}, headers=auth)
+        assert r.status_code == 413 and "exceeds the limit of 100" in r.json()["error"]["message"]
+    finally:
+        config.max_body_bytes = limit
+    assert server["client"].completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices
+
+
+def test_grafana_dashboard_uses_only_exposed_metrics(server: dict[str, Any]) -> None:
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {m for e in exprs for m in re.findall(r"(?:kvserve:|process_)[a-z0-9_]+", e)}
+    exposed = {s.name for f in text_string_to_metric_families(httpx.get(server["base"] + "/metrics").text)
+               for s in f.samples}
+    assert used and used <= exposed, used - exposed
