@@ -171,6 +171,24 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return await _serve(request, body, _encode(text), sampling_params(body, chat=True), chat=True)
 
+    def _piece(token: int) -> str:
+        return str(tokenizer.decode([token])) if tokenizer is not None else str(token)
+
+    def _logprobs(out: RequestOutput, start: int, chat: bool) -> dict[str, Any] | None:
+        """OpenAI logprobs for the output tokens from ``start`` on (None unless asked for)."""
+        if out.logprobs is None:
+            return None
+        tokens, chosen = out.token_ids[start:], out.logprobs[start:]
+        tops = (out.top_logprobs or [])[start:] or [{} for _ in tokens]
+        if chat:
+            return {"content": [
+                {"token": _piece(t), "logprob": lp, "bytes": list(_piece(t).encode()),
+                 "top_logprobs": [{"token": _piece(k), "logprob": v, "bytes": list(_piece(k).encode())}
+                                  for k, v in top.items()]}
+                for t, lp, top in zip(tokens, chosen, tops, strict=False)]}
+        return {"tokens": [_piece(t) for t in tokens], "token_logprobs": chosen,
+                "top_logprobs": [{_piece(k): v for k, v in top.items()} for top in tops]}
+
     def _encode(text: str) -> list[int]:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
@@ -199,11 +217,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 engine.abort(request_id)
         assert final is not None
         usage = _usage(len(token_ids), len(final.token_ids))
+        logprobs = _logprobs(final, 0, chat)
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                                      "logprobs": None, "finish_reason": final.finish_reason}
+                                      "logprobs": logprobs, "finish_reason": final.finish_reason}
         else:
-            choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+            choice = {"index": 0, "text": final.text, "logprobs": logprobs, "finish_reason": final.finish_reason}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": created, "model": config.model_name, "choices": [choice], "usage": usage})
 
@@ -224,14 +243,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
+            sent = 0  # output tokens whose logprobs went out already
             async for out in outputs:
                 generated = len(out.token_ids)
                 finished = out.finished
                 if not out.new_text and not finished:
                     continue
                 delta: dict[str, Any] = {"content": out.new_text} if chat else {}
-                choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                choice: dict[str, Any] = {"index": 0, "logprobs": _logprobs(out, sent, chat),
                                           "finish_reason": out.finish_reason if finished else None}
+                sent = generated
                 choice.update({"delta": delta} if chat else {"text": out.new_text})
                 yield chunk([choice])
             if include_usage:
