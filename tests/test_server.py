@@ -33,6 +33,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_healthy(base: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{base} did not come up in {seconds} s")
+
+
 @pytest.fixture(scope="module")
 def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
     import uvicorn
@@ -44,12 +55,7 @@ def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
+    _wait_healthy(base, seconds=10)
     yield {"base": base, "engine": engine, "app": app,
            "client": openai.OpenAI(base_url=base + "/v1", api_key=KEY)}
     uv.should_exit = True
@@ -262,12 +268,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Any) -> None:
                             text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        _wait_healthy(base, seconds=60)
         lines: list[str] = []
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
