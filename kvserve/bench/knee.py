@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 
 class Knee(NamedTuple):
-    index: int | None  # the knee level (the last one worth going to); None: no knee in the sweep
+    level_index: int | None  # the knee level (the last one worth going to); None: no knee in the sweep
     limiting_factor: str  # "kv memory", "compute", "queueing" or "none"
     reason: str
 
