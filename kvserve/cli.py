@@ -1,4 +1,4 @@
-"""Command line: ``kvserve generate`` and ``kvserve plan``."""
+"""Command line: ``kvserve generate``, ``plan``, ``serve`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import ConfigError
+from kvserve.config import ConfigError, read_jsonl
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -48,23 +48,14 @@ def read_prompts(path: Path) -> list[Any]:
     """Plain text: one prompt per line. JSONL: objects with "prompt", "text" or "messages"."""
     if not path.exists():
         raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
+    if path.suffix != ".jsonl":
+        return [line for line in path.read_text().splitlines() if line.strip()]
     prompts: list[Any] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-            for key in ("messages", "prompt", "text"):
-                if key in obj:
-                    prompts.append(obj[key])
-                    break
-            else:
-                raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
-        else:
-            prompts.append(line)
+    for n, obj in read_jsonl(path):
+        key = next((k for k in ("messages", "prompt", "text") if k in obj), None)
+        if key is None:
+            raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
+        prompts.append(obj[key])
     return prompts
 
 
@@ -147,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     server.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
     add_engine_args(server)
+    from kvserve.bench.cli import add_bench_args, cmd_bench
+
+    add_bench_args(sub.add_parser("bench", help="load-test a server: sweep, knee, plots; compare runs"))
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -155,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except ValueError as e:  # ConfigError, InvalidRequestError, ModelLoadError
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

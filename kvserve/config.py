@@ -5,9 +5,13 @@ Names follow vLLM's engine arguments so that flags carry over unchanged.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -40,6 +44,20 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
     if nbytes <= 0:
         raise ConfigError(f"{name}: must be positive, got {value!r}")
     return nbytes
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-empty line; a bad line is a ConfigError naming it."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path}:{n}: expected a JSON object")
+        yield n, obj
 
 
 def format_bytes(nbytes: float) -> str:

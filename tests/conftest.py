@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -108,3 +113,49 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[l
             logprobs.append(step)
             inputs = torch.tensor([[token]])
     return tokens, logprobs
+
+
+# ---------------------------------------------------------------- a live server (module-scoped)
+
+MODEL = "smollm2-135m"
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(base: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{base} did not come up in {seconds} s")
+
+
+@pytest.fixture(scope="module")
+def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
+    import uvicorn
+
+    from kvserve.config import EngineConfig
+    from kvserve.server.app import ServerConfig
+    from kvserve.server.serve import build
+
+    config = EngineConfig(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
+    engine, app = build(config, ServerConfig(model_name=MODEL, api_key=KEY, max_waiting=64), loaded=smollm)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, seconds=10)
+    yield {"base": base, "engine": engine, "app": app,
+           "client": openai.OpenAI(base_url=base + "/v1", api_key=KEY)}
+    uv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()

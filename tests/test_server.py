@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,50 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineConfig
 from kvserve.engine.engine import LoadedModel
-from kvserve.server.app import ServerConfig
-from kvserve.server.serve import build
+from tests.conftest import KEY, MODEL, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m"
-KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(base: str, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{base} did not come up in {seconds} s")
-
-
-@pytest.fixture(scope="module")
-def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
-    import uvicorn
-
-    config = EngineConfig(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
-    engine, app = build(config, ServerConfig(model_name=MODEL, api_key=KEY, max_waiting=64), loaded=smollm)
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    _wait_healthy(base, seconds=10)
-    yield {"base": base, "engine": engine, "app": app,
-           "client": openai.OpenAI(base_url=base + "/v1", api_key=KEY)}
-    uv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
 
 
 def metric(base: str, name: str) -> float:
@@ -262,13 +220,13 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
                              "--kv-cache-memory", "64MiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base, seconds=60)
+        wait_healthy(base, seconds=60)
         lines: list[str] = []
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:

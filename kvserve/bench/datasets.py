@@ -1,0 +1,73 @@
+"""Request samples for a sweep: random token lengths, shared prefixes, or the user's jsonl."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.config import ConfigError, read_jsonl
+
+
+@dataclass(slots=True)
+class Sample:
+    prompt: list[int] | str | None  # token ids or text for /v1/completions
+    messages: list[dict[str, str]] | None  # for /v1/chat/completions instead
+    max_tokens: int
+
+
+def parse_range(text: str, name: str) -> tuple[int, int]:
+    """"256" or "256:1024" -> inclusive bounds, both positive."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        raise ConfigError(f"{name}: expected N or LOW:HIGH, got {text!r}") from None
+    if len(parts) > 2 or low < 1 or high < low:
+        raise ConfigError(f"{name}: expected N or LOW:HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return low, high
+
+
+def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: str, prefix_len: int = 1000,
+                  num_prefixes: int = 4, seed: int = 0, vocab: int = 32000) -> list[Sample]:
+    """``random``: prompts of random token ids; ``prefix``: each prompt = one of ``num_prefixes``
+    shared prefixes of ``prefix_len`` tokens + a random suffix; ``jsonl:PATH``: objects with
+    "prompt"/"text" or "messages" (and optional "max_tokens")."""
+    if num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
+    rng = random.Random(seed)
+    (in_low, in_high), (out_low, out_high) = parse_range(input_len, "--input-len"), parse_range(output_len,
+                                                                                                 "--output-len")
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    if dataset == "random":
+        return [Sample(tokens(rng.randint(in_low, in_high)), None, rng.randint(out_low, out_high))
+                for _ in range(num_prompts)]
+    if dataset == "prefix":
+        if prefix_len < 1 or num_prefixes < 1:
+            raise ConfigError("--prefix-len and --num-prefixes must be positive")
+        prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
+        return [Sample(prefixes[i % num_prefixes] + tokens(rng.randint(in_low, in_high)), None,
+                       rng.randint(out_low, out_high)) for i in range(num_prompts)]
+    if dataset.startswith("jsonl:"):
+        return _jsonl(Path(dataset[6:]), num_prompts, (out_low, out_high), rng)
+    raise ConfigError(f"--dataset: expected random, prefix or jsonl:PATH, got {dataset!r}")
+
+
+def _jsonl(path: Path, num_prompts: int, out_range: tuple[int, int], rng: random.Random) -> list[Sample]:
+    if not path.is_file():
+        raise ConfigError(f"--dataset jsonl file {str(path)!r} does not exist")
+    rows: list[Sample] = []
+    for n, obj in read_jsonl(path):
+        max_tokens = int(obj.get("max_tokens") or rng.randint(*out_range))
+        if isinstance(obj.get("messages"), list):
+            rows.append(Sample(None, obj["messages"], max_tokens))
+        elif isinstance(obj.get("prompt", obj.get("text")), (str, list)):
+            rows.append(Sample(obj.get("prompt", obj.get("text")), None, max_tokens))
+        else:
+            raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
+    if not rows:
+        raise ConfigError(f"{path} holds no requests")
+    return [rows[i % len(rows)] for i in range(num_prompts)]

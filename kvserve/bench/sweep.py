@@ -1,0 +1,204 @@
+"""A sweep over load levels, its statistics, the knee, and the files it writes: results.json
+(schema_version 1), results.csv, report.md and PNG plots with the knee marked."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.datasets import Sample
+from kvserve.bench.knee import Knee, find_knee
+from kvserve.bench.loadgen import RequestResult, ServerTrace, run_level
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(slots=True)
+class SweepSpec:
+    base_url: str
+    model: str
+    samples: list[Sample]
+    mode: str  # "concurrency" or "rate"
+    levels: list[float]
+    api_key: str | None = None
+    slo_ttft: float | None = None  # seconds
+    slo_tpot: float | None = None
+    timeout: float = 600.0
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"mean": statistics.fmean(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def level_stats(level: float, results: list[RequestResult], wall: float, trace: ServerTrace,
+                spec: SweepSpec) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    good = [r for r in ok if (spec.slo_ttft is None or r.ttft <= spec.slo_ttft)
+            and (spec.slo_tpot is None or r.tpot <= spec.slo_tpot)]
+    return {
+        "level": level, "requests": len(results), "errors": len(results) - len(ok),
+        "error_samples": sorted({r.error for r in results if not r.ok})[:3], "duration_s": wall,
+        "request_throughput": len(ok) / wall, "output_throughput": sum(r.output_tokens for r in ok) / wall,
+        "goodput": len(good) / wall,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": sum(r.output_tokens for r in ok),
+        "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles([r.tpot for r in ok if r.output_tokens > 1]),
+        "itl_s": percentiles([gap for r in ok for gap in r.itl]), "e2e_s": percentiles([r.e2e for r in ok]),
+        "peak_kv_usage": trace.peak_kv_usage, "peak_rss_bytes": trace.peak_rss_bytes,
+        "preemptions": trace.preemptions, "prefix_hit_rate": trace.prefix_hit_rate,
+        "kv_snapshot_at_peak": trace.kv_snapshot_at_peak,
+        "requests_detail": [{"ok": r.ok, "ttft": r.ttft, "e2e": r.e2e, "prompt_tokens": r.prompt_tokens,
+                             "output_tokens": r.output_tokens} for r in results],
+    }
+
+
+def run_sweep(spec: SweepSpec, show_progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    levels = []
+    for level in spec.levels:
+        label = f"{spec.mode} {level:g}"
+        with tqdm(total=len(spec.samples), desc=label, disable=not show_progress) as bar:
+            results, wall, trace = asyncio.run(run_level(
+                spec.base_url, spec.model, spec.samples, concurrency=int(level) if spec.mode == "concurrency" else None,
+                rate=level if spec.mode == "rate" else None, api_key=spec.api_key, timeout=spec.timeout, progress=bar))
+        levels.append(level_stats(level, results, wall, trace, spec))
+    knee = knee_of(levels)
+    return {"schema_version": SCHEMA_VERSION, "base_url": spec.base_url, "model": spec.model, "mode": spec.mode,
+            "num_prompts": len(spec.samples), "slo_ttft_s": spec.slo_ttft, "slo_tpot_s": spec.slo_tpot,
+            "levels": levels, "knee": {"level": None if knee.level_index is None else levels[knee.level_index]["level"],
+                                       "limiting_factor": knee.limiting_factor, "reason": knee.reason},
+            "diagnosis": diagnose(levels, knee)}
+
+
+def knee_of(levels: list[dict[str, Any]]) -> Knee:
+    return find_knee([lv["level"] for lv in levels], [lv["output_throughput"] for lv in levels],
+                     [lv["ttft_s"]["p99"] for lv in levels], [lv["tpot_s"]["p99"] for lv in levels],
+                     [lv["peak_kv_usage"] for lv in levels], [lv["preemptions"] for lv in levels])
+
+
+def diagnose(levels: list[dict[str, Any]], knee: Knee) -> str:
+    """Volume or fragmentation (seed §2, §4.3), from the /v1/kv snapshot at the knee level (or
+    the busiest level): is the pool full of live tokens, or of tail waste and idle cached blocks?"""
+    index = knee.level_index if knee.level_index is not None else len(levels) - 1
+    snap = levels[index]["kv_snapshot_at_peak"] if levels else None
+    if not snap:
+        return "no /v1/kv snapshot (not a kvserve server): volume vs fragmentation cannot be told apart"
+    slots = snap["num_blocks"] * snap["block_size"]
+    live, waste, cached = snap["live_tokens"], snap["tail_waste_slots"], snap["blocks_cached"] * snap["block_size"]
+    share = (f"at {levels[index]['level']:g}: {100 * snap['usage']:.0f}% of blocks in use, live tokens "
+             f"{live} of {slots} slots, tail waste {waste} slots ({100 * waste / max(1, slots):.1f}%), "
+             f"cached blocks {snap['blocks_cached']}")
+    if snap["usage"] < 0.9:
+        return f"the pool was not the limit ({share})"
+    if waste + cached > 0.3 * slots:
+        return f"allocation problem: block size, reclaim or eviction ({share})"
+    return f"volume problem: quantize the KV cache, shorten the context or run fewer sequences ({share})"
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    columns = ["level", "requests", "errors", "request_throughput", "output_throughput", "goodput",
+               "ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p99", "itl_p99", "e2e_p50", "e2e_p99",
+               "peak_kv_usage", "peak_rss_bytes", "preemptions", "prefix_hit_rate"]
+    with (out / "results.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for lv in result["levels"]:
+            writer.writerow([lv["level"], lv["requests"], lv["errors"], lv["request_throughput"],
+                             lv["output_throughput"], lv["goodput"], lv["ttft_s"]["mean"], lv["ttft_s"]["p50"],
+                             lv["ttft_s"]["p99"], lv["tpot_s"]["mean"], lv["tpot_s"]["p99"], lv["itl_s"]["p99"],
+                             lv["e2e_s"]["p50"], lv["e2e_s"]["p99"], lv["peak_kv_usage"], lv["peak_rss_bytes"],
+                             lv["preemptions"], lv["prefix_hit_rate"]])
+    plots = plot_runs([result], [out.name], out)
+    (out / "report.md").write_text(report_markdown([result], [out.name], plots))
+    return [out / "results.json", out / "results.csv", out / "report.md", *plots]
+
+
+def plot_runs(runs: list[dict[str, Any]], names: list[str], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def quantile(key: str, q: str) -> Callable[[dict[str, Any]], float]:
+        return lambda lv: float(lv[key][q])
+
+    Series = list[tuple[str, Callable[[dict[str, Any]], float]]]
+    figures: dict[str, Series] = {
+        "throughput.png": [("output tok/s", lambda lv: lv["output_throughput"])],
+        "latency.png": [(f"{name} {q} (s)", quantile(key, q))
+                        for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s")) for q in ("p50", "p99")],
+        "memory.png": [("peak KV usage", lambda lv: lv["peak_kv_usage"]),
+                       ("peak RSS (GiB)", lambda lv: lv["peak_rss_bytes"] / 2**30)],
+    }
+    paths = []
+    for filename, series in figures.items():
+        fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.4), squeeze=False)
+        for ax, (label, value) in zip(axes[0], series, strict=True):
+            for run, name in zip(runs, names, strict=True):
+                xs = [lv["level"] for lv in run["levels"]]
+                ax.plot(xs, [value(lv) for lv in run["levels"]], marker="o", label=name)
+                if run["knee"]["level"] is not None:
+                    knee_lv = next(lv for lv in run["levels"] if lv["level"] == run["knee"]["level"])
+                    ax.plot([knee_lv["level"]], [value(knee_lv)], marker="*", markersize=14, color="red")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(runs[0]["mode"])
+            ax.set_title(label)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        path = out / filename
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def report_markdown(runs: list[dict[str, Any]], names: list[str], plots: list[Path]) -> str:
+    lines = ["# Load test report", ""]
+    for run, name in zip(runs, names, strict=True):
+        knee = run["knee"]
+        lines += [f"## {name}: {run['model']} at {run['base_url']}, {run['num_prompts']} requests per level", ""]
+        where = (f"The knee is at {run['mode']} {knee['level']:g} (limited by {knee['limiting_factor']}): "
+                 if knee["level"] is not None else "No knee in this sweep: ")
+        lines += [where + knee["reason"] + ". " + run["diagnosis"].capitalize() + ".", ""]
+        lines += [f"| {run['mode']} | req/s | output tok/s | goodput | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | "
+                  "E2E p99 (s) | peak KV | preemptions | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for lv in run["levels"]:
+            lines.append(
+                f"| {lv['level']:g} | {lv['request_throughput']:.2f} | {lv['output_throughput']:.1f} | "
+                f"{lv['goodput']:.2f} | {lv['ttft_s']['p50']:.2f} / {lv['ttft_s']['p99']:.2f} | "
+                f"{1000 * lv['tpot_s']['p50']:.0f} / {1000 * lv['tpot_s']['p99']:.0f} | {lv['e2e_s']['p99']:.2f} | "
+                f"{100 * lv['peak_kv_usage']:.0f}% | {lv['preemptions']:g} | {lv['errors']} |")
+        lines.append("")
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def compare(run_dirs: list[Path], out: Path) -> list[Path]:
+    """``bench report A B``: overlay the runs' plots and put their tables side by side."""
+    runs, names = [], []
+    for directory in run_dirs:
+        path = directory / "results.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no results.json in {str(directory)!r}")
+        runs.append(json.loads(path.read_text()))
+        names.append(directory.name)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot_runs(runs, names, out)
+    (out / "report.md").write_text(report_markdown(runs, names, plots))
+    return [out / "report.md", *plots]

@@ -1,0 +1,67 @@
+"""kvserve bench against a live kvserve server on loopback (small counts): every output file,
+consistent numbers, and `bench report` overlaying two runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserve.cli import main
+from tests.conftest import KEY, MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def _sweep(server: dict[str, Any], out: Path, dataset: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    code = main(["bench", "serve", "--base-url", server["base"], "--model", MODEL, "--api-key", KEY,
+                 "--dataset", dataset, "--input-len", "16:48", "--output-len", "6:12", "--prefix-len", "64",
+                 "--num-prefixes", "2", "--num-prompts", "6", "--concurrency", "1,2,4", "--out", str(out),
+                 "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    return dict(json.loads((out / "results.json").read_text()))
+
+
+def test_sweep_writes_consistent_results(server: dict[str, Any], tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    result = _sweep(server, tmp_path / "random", "random", capsys)
+    for name in ("results.json", "results.csv", "report.md", "throughput.png", "latency.png", "memory.png"):
+        assert (tmp_path / "random" / name).stat().st_size > 0, name
+    assert result["schema_version"] == 1 and [lv["level"] for lv in result["levels"]] == [1, 2, 4]
+    for level in result["levels"]:
+        assert level["errors"] == 0 and level["requests"] == 6
+        for request in level["requests_detail"]:
+            assert 0 < request["ttft"] <= request["e2e"]
+            assert 6 <= request["output_tokens"] <= 12  # ignore_eos: exactly what was asked, from usage
+        assert level["output_tokens"] == sum(r["output_tokens"] for r in level["requests_detail"])
+        assert level["peak_kv_usage"] > 0 and level["peak_rss_bytes"] > 0
+        assert level["ttft_s"]["p50"] <= level["ttft_s"]["p99"] <= level["e2e_s"]["p99"]
+    csv_rows = (tmp_path / "random" / "results.csv").read_text().strip().splitlines()
+    assert len(csv_rows) == 1 + 3
+    report = (tmp_path / "random" / "report.md").read_text()
+    assert "knee" in report.lower() and "throughput.png" in report
+
+
+def test_prefix_dataset_hits_and_report_overlays_two_runs(server: dict[str, Any], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = _sweep(server, tmp_path / "prefix", "prefix", capsys)
+    assert all((lv["prefix_hit_rate"] or 0) > 0 for lv in prefix["levels"])
+    _sweep(server, tmp_path / "random", "random", capsys)
+    assert main(["bench", "report", str(tmp_path / "prefix"), str(tmp_path / "random"),
+                 "--out", str(tmp_path / "cmp")]) == 0
+    report = (tmp_path / "cmp" / "report.md").read_text()
+    assert "## prefix" in report and "## random" in report
+    assert (tmp_path / "cmp" / "latency.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--concurrency", "0,2"], "levels must be positive integers"),
+    (["--concurrency", "1", "--request-rate", "2"], "not both"),
+    (["--input-len", "9:3"], "--input-len"),
+    (["--dataset", "jsonl:/no/such.jsonl"], "does not exist"),
+])
+def test_bad_bench_input_exits_2(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *args]) == 2
+    assert message in capsys.readouterr().err
