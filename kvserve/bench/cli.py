@@ -60,8 +60,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mode, levels = "rate", _levels(args.request_rate, "--request-rate", integer=False)
     else:
         mode, levels = "concurrency", _levels(args.concurrency or "1,2,4,8,16,32,64", "--concurrency", integer=True)
-    samples = build_samples(args.dataset, args.num_prompts, args.input_len, args.output_len, args.prefix_len,
-                            args.num_prefixes, args.seed)
+    # fresh prompts for each level (user traffic from jsonl repeats): a level must not find the
+    # previous level's prompts in the server's prefix cache
+    samples = [build_samples(args.dataset, args.num_prompts, args.input_len, args.output_len, args.prefix_len,
+                             args.num_prefixes, args.seed + i) for i in range(len(levels))]
     spec = SweepSpec(args.base_url, args.model, samples, mode, levels, args.api_key, args.slo_ttft, args.slo_tpot,
                      args.timeout)
     result = run_sweep(spec, show_progress=not args.quiet)

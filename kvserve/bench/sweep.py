@@ -23,7 +23,7 @@ SCHEMA_VERSION = 1
 class SweepSpec:
     base_url: str
     model: str
-    samples: list[Sample]
+    samples: list[list[Sample]]  # one list per level: fresh prompts, so no level hits the cache of another
     mode: str  # "concurrency" or "rate"
     levels: list[float]
     api_key: str | None = None
@@ -68,19 +68,26 @@ def run_sweep(spec: SweepSpec, show_progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
     levels = []
-    for level in spec.levels:
+    for level, samples in zip(spec.levels, spec.samples, strict=True):
         label = f"{spec.mode} {level:g}"
-        with tqdm(total=len(spec.samples), desc=label, disable=not show_progress) as bar:
+        with tqdm(total=len(samples), desc=label, disable=not show_progress) as bar:
             results, wall, trace = asyncio.run(run_level(
-                spec.base_url, spec.model, spec.samples, concurrency=int(level) if spec.mode == "concurrency" else None,
+                spec.base_url, spec.model, samples, concurrency=int(level) if spec.mode == "concurrency" else None,
                 rate=level if spec.mode == "rate" else None, api_key=spec.api_key, timeout=spec.timeout, progress=bar))
         levels.append(level_stats(level, results, wall, trace, spec))
+    return analyze({"schema_version": SCHEMA_VERSION, "base_url": spec.base_url, "model": spec.model,
+                    "mode": spec.mode, "num_prompts": len(spec.samples[0]), "slo_ttft_s": spec.slo_ttft,
+                    "slo_tpot_s": spec.slo_tpot, "levels": levels})
+
+
+def analyze(result: dict[str, Any]) -> dict[str, Any]:
+    """(Re)derive the knee and the diagnosis from the measured levels, in place."""
+    levels = result["levels"]
     knee = knee_of(levels)
-    return {"schema_version": SCHEMA_VERSION, "base_url": spec.base_url, "model": spec.model, "mode": spec.mode,
-            "num_prompts": len(spec.samples), "slo_ttft_s": spec.slo_ttft, "slo_tpot_s": spec.slo_tpot,
-            "levels": levels, "knee": {"level": None if knee.level_index is None else levels[knee.level_index]["level"],
-                                       "limiting_factor": knee.limiting_factor, "reason": knee.reason},
-            "diagnosis": diagnose(levels, knee)}
+    result["knee"] = {"level": None if knee.level_index is None else levels[knee.level_index]["level"],
+                      "limiting_factor": knee.limiting_factor, "reason": knee.reason}
+    result["diagnosis"] = diagnose(levels, knee)
+    return result
 
 
 def knee_of(levels: list[dict[str, Any]]) -> Knee:
@@ -90,22 +97,25 @@ def knee_of(levels: list[dict[str, Any]]) -> Knee:
 
 
 def diagnose(levels: list[dict[str, Any]], knee: Knee) -> str:
-    """Volume or fragmentation (seed §2, §4.3), from the /v1/kv snapshot at the knee level (or
-    the busiest level): is the pool full of live tokens, or of tail waste and idle cached blocks?"""
-    index = knee.level_index if knee.level_index is not None else len(levels) - 1
-    snap = levels[index]["kv_snapshot_at_peak"] if levels else None
+    """Volume or fragmentation (seed §2, §4.3), from kvserve's /v1/kv snapshot at peak usage in
+    the level that exposed the knee (or the busiest level): is the pool full of live tokens, or of
+    the unused ends of blocks? (Idle cached prefix blocks are evictable, so they count as free.)"""
+    if not levels:
+        return "no levels were run"
+    index = len(levels) - 1 if knee.level_index is None else min(knee.level_index + 1, len(levels) - 1)
+    snap = levels[index]["kv_snapshot_at_peak"]
     if not snap:
         return "no /v1/kv snapshot (not a kvserve server): volume vs fragmentation cannot be told apart"
-    slots = snap["num_blocks"] * snap["block_size"]
-    live, waste, cached = snap["live_tokens"], snap["tail_waste_slots"], snap["blocks_cached"] * snap["block_size"]
-    share = (f"at {levels[index]['level']:g}: {100 * snap['usage']:.0f}% of blocks in use, live tokens "
-             f"{live} of {slots} slots, tail waste {waste} slots ({100 * waste / max(1, slots):.1f}%), "
-             f"cached blocks {snap['blocks_cached']}")
+    allocated, waste = snap["allocated_slots"], snap["tail_waste_slots"]
+    share = (f"at {levels[index]['level']:g}: {100 * snap['usage']:.0f}% of {snap['num_blocks']} blocks held, "
+             f"{snap['live_tokens']} live tokens in {allocated} allocated slots, tail waste {waste} slots "
+             f"({100 * waste / max(1, allocated):.1f}%), {snap['blocks_cached']} blocks with cached prefixes")
     if snap["usage"] < 0.9:
-        return f"the pool was not the limit ({share})"
-    if waste + cached > 0.3 * slots:
-        return f"allocation problem: block size, reclaim or eviction ({share})"
-    return f"volume problem: quantize the KV cache, shorten the context or run fewer sequences ({share})"
+        return f"the KV pool was not the limit ({share})"
+    if waste > 0.1 * allocated:
+        return f"allocation problem: smaller blocks would hold more sequences ({share})"
+    return ("volume problem: the pool is full of live tokens; quantize KV, shorten contexts or run fewer "
+            f"sequences ({share})")
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
@@ -196,7 +206,7 @@ def compare(run_dirs: list[Path], out: Path) -> list[Path]:
         path = directory / "results.json"
         if not path.is_file():
             raise FileNotFoundError(f"no results.json in {str(directory)!r}")
-        runs.append(json.loads(path.read_text()))
+        runs.append(analyze(json.loads(path.read_text())))
         names.append(directory.name)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot_runs(runs, names, out)
