@@ -65,3 +65,36 @@ def test_prefix_dataset_hits_and_report_overlays_two_runs(server: dict[str, Any]
 def test_bad_bench_input_exits_2(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_multiturn_dataset_resends_the_whole_history() -> None:
+    from kvserve.bench.datasets import build_samples
+
+    samples = build_samples("multiturn", 8, "5:9", "3:6", prefix_len=20, seed=1)
+    for conversation in (samples[:4], samples[4:]):
+        prompts = [s.prompt for s in conversation]
+        assert all(isinstance(p, list) for p in prompts)
+        for earlier, later, turn in zip(prompts, prompts[1:], conversation, strict=False):
+            assert isinstance(earlier, list) and isinstance(later, list)
+            # the next turn = this turn + its answer (max_tokens tokens) + a new user turn of 5..9 tokens
+            assert later[: len(earlier)] == earlier
+            assert 5 <= len(later) - len(earlier) - turn.max_tokens <= 9
+    assert samples[0].prompt[:20] != samples[4].prompt[:20]  # type: ignore[index]
+
+
+def test_max_duration_cancels_what_is_pending(server: dict[str, Any], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "serve", "--base-url", server["base"], "--model", MODEL, "--api-key", KEY,
+                 "--input-len", "16", "--output-len", "200", "--num-prompts", "4", "--concurrency", "1",
+                 "--max-duration", "1.5", "--out", str(tmp_path / "cut"), "--quiet"])
+    assert code == 0
+    level = json.loads((tmp_path / "cut" / "results.json").read_text())["levels"][0]
+    assert 1 <= level["errors"] <= 4 and any("max-duration" in e for e in level["error_samples"])
+    assert level["duration_s"] < 10
+    # the cancelled streams were disconnects: the server aborted them and took their blocks back
+    import time
+
+    deadline = time.time() + 1.0
+    while server["engine"].kv_stats.blocks_used and time.time() < deadline:
+        time.sleep(0.05)
+    assert server["engine"].kv_stats.blocks_used == 0

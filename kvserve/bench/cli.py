@@ -16,10 +16,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", default="smollm2-135m", help="model name the server serves")
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--dataset", default="random", help="random, prefix or jsonl:PATH")
+    serve.add_argument("--dataset", default="random", help="random, prefix, multiturn or jsonl:PATH")
     serve.add_argument("--input-len", default="256:1024", help="prompt tokens: N or LOW:HIGH")
     serve.add_argument("--output-len", default="64:256", help="output tokens: N or LOW:HIGH")
-    serve.add_argument("--prefix-len", type=int, default=1000, help="prefix dataset: shared prefix tokens")
+    serve.add_argument("--prefix-len", type=int, default=1000,
+                       help="prefix: shared prefix tokens; multiturn: system prompt tokens")
     serve.add_argument("--num-prefixes", type=int, default=4)
     serve.add_argument("--num-prompts", type=int, default=200, help="requests per level")
     serve.add_argument("--concurrency", default=None, help="levels, e.g. 1,2,4,8 (default sweep)")
@@ -27,6 +28,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT limit in seconds")
     serve.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT limit in seconds")
     serve.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    serve.add_argument("--max-duration", type=float, default=None,
+                       help="per level: cancel what is still pending after this many seconds (counted as errors)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--out", default="results/run", help="folder for results.json/csv, report.md, plots")
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -64,8 +67,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # previous level's prompts in the server's prefix cache
     samples = [build_samples(args.dataset, args.num_prompts, args.input_len, args.output_len, args.prefix_len,
                              args.num_prefixes, args.seed + i) for i in range(len(levels))]
+    if args.max_duration is not None and args.max_duration <= 0:
+        raise ConfigError(f"--max-duration must be positive, got {args.max_duration}")
     spec = SweepSpec(args.base_url, args.model, samples, mode, levels, args.api_key, args.slo_ttft, args.slo_tpot,
-                     args.timeout)
+                     args.timeout, args.max_duration)
     result = run_sweep(spec, show_progress=not args.quiet)
     files = write_outputs(result, Path(args.out))
     knee = result["knee"]

@@ -31,8 +31,10 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: str, prefix_len: int = 1000,
                   num_prefixes: int = 4, seed: int = 0, vocab: int = 32000) -> list[Sample]:
     """``random``: prompts of random token ids; ``prefix``: each prompt = one of ``num_prefixes``
-    shared prefixes of ``prefix_len`` tokens + a random suffix; ``jsonl:PATH``: objects with
-    "prompt"/"text" or "messages" (and optional "max_tokens")."""
+    shared prefixes of ``prefix_len`` tokens + a random suffix; ``multiturn``: conversations of
+    4 turns, each turn resending the whole history (a ``prefix_len``-token system prompt, every
+    earlier user turn and answer) plus a new user turn of ``input_len`` tokens, in turn order;
+    ``jsonl:PATH``: objects with "prompt"/"text" or "messages" (and optional "max_tokens")."""
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
     rng = random.Random(seed)
@@ -51,9 +53,19 @@ def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: st
         prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
         return [Sample(prefixes[i % num_prefixes] + tokens(rng.randint(in_low, in_high)), None,
                        rng.randint(out_low, out_high)) for i in range(num_prompts)]
+    if dataset == "multiturn":
+        samples: list[Sample] = []
+        while len(samples) < num_prompts:
+            history = tokens(prefix_len)
+            for _ in range(4):
+                history = history + tokens(rng.randint(in_low, in_high))
+                answer = rng.randint(out_low, out_high)
+                samples.append(Sample(list(history), None, answer))
+                history = history + tokens(answer)  # the next turn resends this answer too
+        return samples[:num_prompts]
     if dataset.startswith("jsonl:"):
         return _jsonl(Path(dataset[6:]), num_prompts, (out_low, out_high), rng)
-    raise ConfigError(f"--dataset: expected random, prefix or jsonl:PATH, got {dataset!r}")
+    raise ConfigError(f"--dataset: expected random, prefix, multiturn or jsonl:PATH, got {dataset!r}")
 
 
 def _jsonl(path: Path, num_prompts: int, out_range: tuple[int, int], rng: random.Random) -> list[Sample]:

@@ -140,9 +140,11 @@ async def _watch(client: httpx.AsyncClient, base_url: str, headers: dict[str, st
 
 async def run_level(base_url: str, model: str, samples: list[Sample], concurrency: int | None = None,
                     rate: float | None = None, api_key: str | None = None, timeout: float = 600.0,
-                    seed: int = 0, progress: Any = None) -> tuple[list[RequestResult], float, ServerTrace]:
+                    seed: int = 0, progress: Any = None, max_duration: float | None = None,
+                    ) -> tuple[list[RequestResult], float, ServerTrace]:
     """Send every sample, at most ``concurrency`` in flight, or at Poisson arrivals of ``rate``
-    requests/s. Returns the results (in sample order), the wall time and the server trace."""
+    requests/s; after ``max_duration`` seconds the requests still pending are cancelled and
+    count as errors. Returns the results (in sample order), the wall time and the server trace."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency or 0, 64) + 4)
     trace, stop = ServerTrace(), asyncio.Event()
@@ -152,9 +154,12 @@ async def run_level(base_url: str, model: str, samples: list[Sample], concurrenc
         rng = random.Random(seed)
 
         async def send(sample: Sample, delay: float) -> RequestResult:
-            await asyncio.sleep(delay)
-            async with gate:
-                result = await one_request(client, base_url, model, sample, headers)
+            try:
+                await asyncio.sleep(delay)
+                async with gate:
+                    result = await one_request(client, base_url, model, sample, headers)
+            except asyncio.CancelledError:
+                result = RequestResult(ok=False, error=f"not finished within --max-duration {max_duration:g} s")
             if progress is not None:
                 progress.update(1)
             return result
@@ -165,7 +170,11 @@ async def run_level(base_url: str, model: str, samples: list[Sample], concurrenc
             if rate:
                 t += rng.expovariate(rate)
         start = time.perf_counter()
-        results = await asyncio.gather(*(send(s, d) for s, d in zip(samples, delays, strict=True)))
+        tasks = [asyncio.create_task(send(s, d)) for s, d in zip(samples, delays, strict=True)]
+        _, pending = await asyncio.wait(tasks, timeout=max_duration)
+        for task in pending:
+            task.cancel()
+        results = [await task for task in tasks]
         wall = time.perf_counter() - start
         stop.set()
         await watcher

@@ -30,6 +30,7 @@ class SweepSpec:
     slo_ttft: float | None = None  # seconds
     slo_tpot: float | None = None
     timeout: float = 600.0
+    max_duration: float | None = None  # per level
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -73,7 +74,8 @@ def run_sweep(spec: SweepSpec, show_progress: bool = True) -> dict[str, Any]:
         with tqdm(total=len(samples), desc=label, disable=not show_progress) as bar:
             results, wall, trace = asyncio.run(run_level(
                 spec.base_url, spec.model, samples, concurrency=int(level) if spec.mode == "concurrency" else None,
-                rate=level if spec.mode == "rate" else None, api_key=spec.api_key, timeout=spec.timeout, progress=bar))
+                rate=level if spec.mode == "rate" else None, api_key=spec.api_key, timeout=spec.timeout, progress=bar,
+                max_duration=spec.max_duration))
         levels.append(level_stats(level, results, wall, trace, spec))
     return analyze({"schema_version": SCHEMA_VERSION, "base_url": spec.base_url, "model": spec.model,
                     "mode": spec.mode, "num_prompts": len(spec.samples[0]), "slo_ttft_s": spec.slo_ttft,
