@@ -60,6 +60,7 @@ def test_prefix_dataset_hits_and_report_overlays_two_runs(server: dict[str, Any]
     (["--concurrency", "0,2"], "levels must be positive integers"),
     (["--concurrency", "1", "--request-rate", "2"], "not both"),
     (["--input-len", "9:3"], "--input-len"),
+    (["--output-len", "normal:0:5"], "normal:MEAN:STD"),
     (["--dataset", "jsonl:/no/such.jsonl"], "does not exist"),
 ])
 def test_bad_bench_input_exits_2(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,3 +99,15 @@ def test_max_duration_cancels_what_is_pending(server: dict[str, Any], tmp_path: 
     while server["engine"].kv_stats.blocks_used and time.time() < deadline:
         time.sleep(0.05)
     assert server["engine"].kv_stats.blocks_used == 0
+
+
+def test_length_distributions() -> None:
+    import random
+
+    from kvserve.bench.datasets import LengthSpec
+
+    rng = random.Random(0)
+    assert {LengthSpec("7", "x").draw(rng) for _ in range(20)} == {7}
+    assert {LengthSpec("3:5", "x").draw(rng) for _ in range(200)} == {3, 4, 5}
+    draws = [LengthSpec("normal:100:10", "x").draw(rng) for _ in range(2000)]
+    assert 98 < sum(draws) / len(draws) < 102 and min(draws) >= 1

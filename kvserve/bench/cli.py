@@ -17,8 +17,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--model", default="smollm2-135m", help="model name the server serves")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--dataset", default="random", help="random, prefix, multiturn or jsonl:PATH")
-    serve.add_argument("--input-len", default="256:1024", help="prompt tokens: N or LOW:HIGH")
-    serve.add_argument("--output-len", default="64:256", help="output tokens: N or LOW:HIGH")
+    serve.add_argument("--input-len", default="256:1024", help="prompt tokens: N, LOW:HIGH or normal:MEAN:STD")
+    serve.add_argument("--output-len", default="64:256", help="output tokens: N, LOW:HIGH or normal:MEAN:STD")
     serve.add_argument("--prefix-len", type=int, default=1000,
                        help="prefix: shared prefix tokens; multiturn: system prompt tokens")
     serve.add_argument("--num-prefixes", type=int, default=4)

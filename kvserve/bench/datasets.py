@@ -16,16 +16,32 @@ class Sample:
     max_tokens: int
 
 
-def parse_range(text: str, name: str) -> tuple[int, int]:
-    """"256" or "256:1024" -> inclusive bounds, both positive."""
-    parts = text.split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
-    except ValueError:
-        raise ConfigError(f"{name}: expected N or LOW:HIGH, got {text!r}") from None
-    if len(parts) > 2 or low < 1 or high < low:
-        raise ConfigError(f"{name}: expected N or LOW:HIGH with 1 <= LOW <= HIGH, got {text!r}")
-    return low, high
+class LengthSpec:
+    """Token lengths: "N" (fixed), "LOW:HIGH" (uniform, inclusive) or "normal:MEAN:STD"
+    (rounded, at least 1)."""
+
+    def __init__(self, text: str, name: str) -> None:
+        parts = text.split(":")
+        self.normal = parts[0] == "normal"
+        try:
+            numbers = [float(p) for p in (parts[1:] if self.normal else parts)]
+        except ValueError:
+            raise ConfigError(f"{name}: expected N, LOW:HIGH or normal:MEAN:STD, got {text!r}") from None
+        if self.normal:
+            if len(numbers) != 2 or numbers[0] < 1 or numbers[1] < 0:
+                raise ConfigError(f"{name}: expected normal:MEAN:STD with MEAN >= 1, STD >= 0, got {text!r}")
+            self.mean, self.std = numbers
+            return
+        if len(numbers) not in (1, 2) or any(n != int(n) for n in numbers):
+            raise ConfigError(f"{name}: expected N or LOW:HIGH (integers), got {text!r}")
+        self.low, self.high = int(numbers[0]), int(numbers[-1])
+        if self.low < 1 or self.high < self.low:
+            raise ConfigError(f"{name}: expected 1 <= LOW <= HIGH, got {text!r}")
+
+    def draw(self, rng: random.Random) -> int:
+        if self.normal:
+            return max(1, round(rng.gauss(self.mean, self.std)))
+        return rng.randint(self.low, self.high)
 
 
 def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: str, prefix_len: int = 1000,
@@ -38,42 +54,41 @@ def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: st
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
     rng = random.Random(seed)
-    (in_low, in_high), (out_low, out_high) = parse_range(input_len, "--input-len"), parse_range(output_len,
-                                                                                                 "--output-len")
+    in_len, out_len = LengthSpec(input_len, "--input-len"), LengthSpec(output_len, "--output-len")
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     if dataset == "random":
-        return [Sample(tokens(rng.randint(in_low, in_high)), None, rng.randint(out_low, out_high))
+        return [Sample(tokens(in_len.draw(rng)), None, out_len.draw(rng))
                 for _ in range(num_prompts)]
     if dataset == "prefix":
         if prefix_len < 1 or num_prefixes < 1:
             raise ConfigError("--prefix-len and --num-prefixes must be positive")
         prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
-        return [Sample(prefixes[i % num_prefixes] + tokens(rng.randint(in_low, in_high)), None,
-                       rng.randint(out_low, out_high)) for i in range(num_prompts)]
+        return [Sample(prefixes[i % num_prefixes] + tokens(in_len.draw(rng)), None,
+                       out_len.draw(rng)) for i in range(num_prompts)]
     if dataset == "multiturn":
         samples: list[Sample] = []
         while len(samples) < num_prompts:
             history = tokens(prefix_len)
             for _ in range(4):
-                history = history + tokens(rng.randint(in_low, in_high))
-                answer = rng.randint(out_low, out_high)
+                history = history + tokens(in_len.draw(rng))
+                answer = out_len.draw(rng)
                 samples.append(Sample(list(history), None, answer))
                 history = history + tokens(answer)  # the next turn resends this answer too
         return samples[:num_prompts]
     if dataset.startswith("jsonl:"):
-        return _jsonl(Path(dataset[6:]), num_prompts, (out_low, out_high), rng)
+        return _jsonl(Path(dataset[6:]), num_prompts, out_len, rng)
     raise ConfigError(f"--dataset: expected random, prefix, multiturn or jsonl:PATH, got {dataset!r}")
 
 
-def _jsonl(path: Path, num_prompts: int, out_range: tuple[int, int], rng: random.Random) -> list[Sample]:
+def _jsonl(path: Path, num_prompts: int, out_len: LengthSpec, rng: random.Random) -> list[Sample]:
     if not path.is_file():
         raise ConfigError(f"--dataset jsonl file {str(path)!r} does not exist")
     rows: list[Sample] = []
     for n, obj in read_jsonl(path):
-        max_tokens = int(obj.get("max_tokens") or rng.randint(*out_range))
+        max_tokens = int(obj.get("max_tokens") or out_len.draw(rng))
         if isinstance(obj.get("messages"), list):
             rows.append(Sample(None, obj["messages"], max_tokens))
         elif isinstance(obj.get("prompt", obj.get("text")), (str, list)):
