@@ -132,6 +132,7 @@ def test_client_disconnect_frees_blocks(server: dict[str, Any]) -> None:
             break
         time.sleep(0.05)
     assert kv["blocks_used"] == 0 and kv["num_requests"] == 0
+    assert kv["blocks_evictable"] == kv["blocks_cached"]  # nothing runs: every cached block is idle
 
 
 @pytest.mark.parametrize("case,status,fragment", [

@@ -136,6 +136,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "blocks_free": s.blocks_free, "blocks_cached": s.blocks_cached, "usage": s.usage,
                 "live_tokens": s.live_tokens, "allocated_slots": s.allocated_slots, "utilization": s.utilization,
                 "tail_waste_slots": s.tail_waste, "num_requests": s.num_requests,
+                "blocks_evictable": s.prefix_cache.evictable_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache.hit_rate,
                 "prefix_cache_queries": s.prefix_cache.queries, "prefix_cache_hits": s.prefix_cache.hits,
                 "per_request_blocks": s.per_request_blocks}
