@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import ConfigError, read_jsonl
+from kvserve.config import SCHEDULING_POLICIES, ConfigError, read_jsonl
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached blocks of shared prompt prefixes (default: on)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
+    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="admission order: arrival, or longest cached prefix first (bounded wait)")
     g.add_argument("--seed", type=int, default=0)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+SCHEDULING_POLICIES = ("fcfs", "lpm")  # arrival order; longest cached prefix first (SGLang's lpm)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -73,6 +74,18 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def device_total_memory(device: str) -> tuple[int, str]:
+    """Total memory of ``device`` ("cuda", "cuda:N", "cpu"; "auto": the first GPU if there is
+    one) and where the figure comes from. On CPU that is this machine's RAM."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory, "this machine's GPU"
+    return machine_memory_bytes(), "this machine's RAM"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Every knob of the engine. Sizes may be given as strings ("64MiB")."""
@@ -103,8 +116,9 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        if self.scheduling_policy not in ("fcfs", "lpm"):
-            raise ConfigError(f"scheduling_policy must be fcfs or lpm, got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kv_cache_memory is not None:

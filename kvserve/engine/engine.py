@@ -14,7 +14,7 @@ import torch
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes, normalize_kv_dtype, num_blocks_for_budget
-from kvserve.config import ConfigError, EngineConfig, format_bytes, machine_memory_bytes
+from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
@@ -125,10 +125,8 @@ class LLMEngine:
         else:
             if cfg.device_memory is not None:
                 total = int(cfg.device_memory)
-            elif self.device.type == "cuda":
-                total = torch.cuda.get_device_properties(self.device).total_memory
             else:
-                total = machine_memory_bytes()
+                total = device_total_memory(str(self.device))[0]
             activations = self._activation_peak()
             budget = int(total * cfg.gpu_memory_utilization) - self.weight_bytes - activations
             source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {format_bytes(total)} "

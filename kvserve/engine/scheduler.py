@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.config import SCHEDULING_POLICIES
 from kvserve.engine.request import Request, RequestStatus
 
 
@@ -29,9 +30,6 @@ class ScheduledChunk:
     def completes_sequence(self) -> bool:
         """True if after this step every known token is in the cache, so we sample."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
-
-
-SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 
 class Scheduler:
@@ -113,7 +111,7 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
             return len(hits) * self.kv.block_size
 
-        starving = [r for r in self.waiting if r.num_skips >= self.max_skips]
+        starving = sorted((r for r in self.waiting if r.num_skips >= self.max_skips), key=lambda r: r.arrival_seq)
         rest = sorted((r for r in self.waiting if r.num_skips < self.max_skips), key=cached_tokens, reverse=True)
         self.waiting = deque(starving + rest)
 

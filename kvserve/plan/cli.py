@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvserve.cache.kv_format import KEY_SCALE_MODES, KV_DTYPES
-from kvserve.config import format_bytes, machine_memory_bytes, parse_size
+from kvserve.config import device_total_memory, format_bytes, parse_size
 from kvserve.plan.planner import CONTEXT_DISTRIBUTIONS, WEIGHT_BYTES, PlanReport, gb, gib, plan
 from kvserve.plan.presets import PRESETS, preset
 from kvserve.plan.spec import ModelSpec, SpecError, estimate_params
@@ -32,7 +32,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--sliding-layers", type=int, default=None, help="layers using the window (default: all)")
     work = parser.add_argument_group("workload and device")
     work.add_argument("--concurrency", type=int, default=1, help="concurrent sequences")
-    work.add_argument("--context", type=int, default=None, help="tokens per sequence (default: 4096)")
+    work.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
     work.add_argument("--context-distribution", default="fixed", choices=CONTEXT_DISTRIBUTIONS,
                       help="lengths for the paged tail-waste estimate: all at --context, or uniform up to it")
     work.add_argument("--device-memory", help="e.g. 24GB, 80GiB (default: this machine's GPU, else RAM)")
@@ -94,22 +94,14 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
 def device_memory_from_args(args: argparse.Namespace) -> tuple[int, str]:
     if args.device_memory:
         return parse_size(args.device_memory, "--device-memory"), "given"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory, "this machine's GPU"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return machine_memory_bytes(), "this machine's RAM"
+    return device_total_memory("auto")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     device_memory, memory_source = device_memory_from_args(args)
-    context = args.context if args.context is not None else 4096
     report = plan(
-        spec, concurrency=args.concurrency, context=context, device_memory=device_memory,
+        spec, concurrency=args.concurrency, context=args.context, device_memory=device_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_dtype=args.kv_cache_dtype, weight_dtype=args.dtype,
         block_size=args.block_size,
         activation_memory=parse_size(args.activation_memory, "--activation-memory") if args.activation_memory

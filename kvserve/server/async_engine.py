@@ -32,8 +32,7 @@ class _Submit:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None
-                 ) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called in the engine thread after every step (metrics)
         self._commands: queue.Queue[_Submit | str | None] = queue.Queue()
@@ -141,4 +140,4 @@ class AsyncEngine:
             self.num_waiting = len(self.engine.scheduler.waiting)
             self.num_running = len(self.engine.scheduler.running)
         if self.on_step is not None:
-            self.on_step(self.engine, outputs)
+            self.on_step(outputs)

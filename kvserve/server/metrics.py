@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvserve.engine.engine import LLMEngine, RequestOutput
+from kvserve.engine.engine import RequestOutput
 
 if TYPE_CHECKING:
     from kvserve.server.async_engine import AsyncEngine
@@ -65,7 +65,7 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per token after the first", _LATENCY)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
 
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def on_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if not out.finished:
                 continue
