@@ -32,7 +32,7 @@ def main() -> int:
         for block_size in (1, 16, 64):
             llm = LLM(str(path), device="cuda", dtype="float32", block_size=block_size, kv_cache_memory="8MiB",
                       max_num_batched_tokens=48)
-            assert llm.engine.kv_cache.storage.is_cuda
+            assert llm.engine.kv_cache.layers[0].data.is_cuda
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
             for out, (ref, lp) in zip(outs, refs, strict=True):
                 ok, why = first_divergence_is_near_tie(out.token_ids, ref, lp)

@@ -12,6 +12,13 @@ from typing import Any
 from kvserve.config import SCHEDULING_POLICIES, ConfigError, read_jsonl
 
 
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF folder (default: %(default)s)")
@@ -25,7 +32,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4")
+    g.add_argument("--kv-scales", default=None,
+                   help="calibration file from kvserve calibrate: static key scales (int8/int4), fp8 scales")
+    g.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
+                   help="comma-separated layer indices kept in the model dtype, e.g. 0,29")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached blocks of shared prompt prefixes (default: on)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
@@ -39,7 +51,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization,
         "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "kv_cache_dtype": args.kv_cache_dtype, "enable_prefix_caching": args.enable_prefix_caching,
+        "kv_cache_dtype": args.kv_cache_dtype, "kv_scales": args.kv_scales,
+        "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed,
     }
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.cache.kv_format import normalize_kv_dtype
+
 SCHEDULING_POLICIES = ("fcfs", "lpm")  # arrival order; longest cached prefix first (SGLang's lpm)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -23,7 +25,6 @@ _UNITS = {
     "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto",)
 
 
 class ConfigError(ValueError):
@@ -100,7 +101,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4
+    kv_scales: str | None = None  # calibration file (kvserve calibrate): static key scales, fp8 scales
+    kv_cache_dtype_skip_layers: tuple[int, ...] = ()  # layers kept in the model dtype
     enable_prefix_caching: bool = True  # on by default, as in vLLM v1
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first (bounded wait)
     seed: int = 0
@@ -112,10 +115,14 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two in 1..256, got {self.block_size!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
+        try:
+            normalize_kv_dtype(self.kv_cache_dtype, "fp32")
+        except ValueError as exc:
+            raise ConfigError(f"kv_cache_dtype: {exc}") from None
+        self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
+        if any(not isinstance(i, int) or i < 0 for i in self.kv_cache_dtype_skip_layers):
+            raise ConfigError(f"kv_cache_dtype_skip_layers must be layer indices >= 0, "
+                              f"got {self.kv_cache_dtype_skip_layers!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
 from kvserve.model.attention import (
     AttentionGroup,
     AttentionMetadata,
@@ -19,11 +20,14 @@ from kvserve.model.attention import (
     rope_and_write_kv,
     use_decode_kernel,
     use_prefill_kernel,
-    write_kv,
 )
 from kvserve.model.llama import apply_rope
 
 needs_kernel = pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
+
+
+def _write_index(slots: torch.Tensor, block_size: int, kv_heads: int) -> KVWriteIndex:
+    return KVWriteIndex(kv_write_rows(slots, block_size, 2 * kv_heads), None, None)
 
 
 def _decode_group(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int, heads: int, kv_heads: int,
@@ -58,10 +62,11 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
     outs = []
     for with_bias in (True, False):
         pool = cache.clone()
-        meta = AttentionMetadata(slots, kv_write_rows(slots, block_size, kv_heads),
+        meta = AttentionMetadata(slots, _write_index(slots, block_size, kv_heads),
                                  [_decode_group(tables, lens, block_size, heads, kv_heads, dtype, with_bias)])
-        write_kv(new_k, new_v, pool, meta)
-        outs.append(paged_attention(query, pool, meta, dim**-0.5).float())
+        layer = LayerKV.float_pool(pool)
+        layer.write(new_k, new_v, meta.write)
+        outs.append(paged_attention(query, layer, meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
@@ -90,8 +95,8 @@ def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_
     outs = []
     for group_mask in (mask, None):  # gather + SDPA, then the kernel
         group = AttentionGroup(0, batch, query_len, tables, group_mask, lens, fresh, None)
-        meta = AttentionMetadata(slots, slots, [group])
-        outs.append(paged_attention(query, pool, meta, dim**-0.5).float())
+        meta = AttentionMetadata(slots, KVWriteIndex(slots, None, None), [group])
+        outs.append(paged_attention(query, LayerKV.float_pool(pool), meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
@@ -122,11 +127,11 @@ def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype) -> None:
     cos = torch.cat((angles.cos(), angles.cos()), -1)
     signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)
     slots = torch.tensor([4, 5, 6, 7, 9, 13, 30])
-    meta = AttentionMetadata(slots, kv_write_rows(slots, block_size, kv_heads), [])
+    meta = AttentionMetadata(slots, _write_index(slots, block_size, kv_heads), [])
     pool_ref, pool = torch.zeros(9, 2 * kv_heads, block_size, dim, dtype=dtype), torch.zeros(9, 2 * kv_heads,
                                                                                           block_size, dim, dtype=dtype)
     qk = apply_rope(qkv[:, : heads + kv_heads], cos.to(dtype)[:, None], signed_sin.to(dtype)[:, None])
-    write_kv(qk[:, heads:], qkv[:, heads + kv_heads :], pool_ref, meta)
+    LayerKV.float_pool(pool_ref).write(qk[:, heads:], qkv[:, heads + kv_heads :], meta.write)
     fused = qkv.clone()
     rope_and_write_kv(fused, cos, signed_sin, pool, meta, heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

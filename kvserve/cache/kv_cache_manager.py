@@ -70,6 +70,8 @@ class KVCacheStats:
     mean_utilization: float = 1.0
     per_request_blocks: dict[str, int] = field(default_factory=dict)
     prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(enabled=False))
+    kv_cache_dtype: str = ""  # set by the engine
+    clip_ratio: float = 0.0  # elements clipped by static KV scales / elements checked (drift watch)
 
     @property
     def usage(self) -> float:
@@ -112,7 +114,10 @@ class KVCacheManager:
     positions at or past its num_computed_tokens, which lie after its cache hits).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_tail_slots: int = 0) -> None:
+        """``num_tail_slots``: full-precision tail blocks for pools that keep one per sequence
+        (see kv_cache.LayerKV); every request holding blocks then holds one slot."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -120,6 +125,9 @@ class KVCacheManager:
         self.num_tokens: dict[str, int] = {}
         self.block_hashes: dict[str, list[bytes]] = {}  # keys of a request's full blocks so far
         self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
+        self.num_tail_slots = num_tail_slots
+        self.free_tail_slots = list(range(num_tail_slots - 1, -1, -1))
+        self.tail_slots: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._live_tokens = 0
@@ -187,6 +195,10 @@ class KVCacheManager:
         if missing > self.pool.num_free_blocks - reviving:
             return False
         if request_id not in self.block_tables:
+            if self.num_tail_slots:
+                if not self.free_tail_slots:
+                    return False
+                self.tail_slots[request_id] = self.free_tail_slots.pop()
             self.pool.touch(table)
             self.block_tables[request_id] = table
             self.num_published[request_id] = len(table)
@@ -219,6 +231,9 @@ class KVCacheManager:
         table = self.block_tables.pop(request_id, [])
         self._live_tokens -= self.num_tokens.pop(request_id, 0)
         self.num_published.pop(request_id, None)
+        slot = self.tail_slots.pop(request_id, None)
+        if slot is not None:
+            self.free_tail_slots.append(slot)
         self.pool.free_blocks(table[::-1])
 
     def forget(self, request_id: str) -> None:
@@ -231,6 +246,9 @@ class KVCacheManager:
             enabled=self.enable_prefix_caching, queries=self.prefix_queries, hits=self.prefix_hits,
             cached_blocks=len(cached), evictable_blocks=sum(1 for b in cached if b.ref_cnt == 0),
             evictions=self.pool.num_evictions)
+
+    def tail_slot(self, request_id: str) -> int:
+        return self.tail_slots[request_id]
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.block_tables[request_id]]

@@ -15,7 +15,8 @@ fp16/bf16  2 B        none
 fp8_e4m3,  1 B        one static scale per layer for K and one for V (a fixed few bytes,
 fp8_e5m2              not per token or block)
 int8       1 B        keys: per (layer, KV head, channel) — static, from calibration (a
-                      fixed table), or with key_scales="block" one per block too;
+                      fixed table), or with key_scales="block" one per block too (then
+                      each running sequence's tail block is kept in full precision, as int4);
                       values: one per (token, layer, KV head)
 int4       1/2 B      keys: as int8; values: one per (token, layer, KV head, group of 32
                       channels); plus each running sequence's not-yet-full tail block in
@@ -88,9 +89,10 @@ def kv_block_bytes(layout: KVLayout, num_layers: int, kv_dtype: str, block_size:
 
 
 def kv_sequence_extra_bytes(layout: KVLayout, num_layers: int, kv_dtype: str, block_size: int,
-                            full_dtype: str) -> int:
-    """Per running sequence, beyond its blocks: int4 keeps the tail block in ``full_dtype``."""
-    if kv_dtype != "int4":
+                            full_dtype: str, key_scales: str = "static") -> int:
+    """Per running sequence, beyond its blocks: the not-yet-full tail block kept in ``full_dtype``
+    by int4 (always) and by int8 with per-block key scales (a block's scales need all its keys)."""
+    if kv_dtype != "int4" and not (kv_dtype == "int8" and key_scales == "block"):
         return 0
     return kv_block_bytes(layout, num_layers, full_dtype, block_size)
 

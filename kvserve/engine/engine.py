@@ -5,15 +5,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
-from kvserve.cache.kv_format import KVLayout, kv_block_bytes, normalize_kv_dtype, num_blocks_for_budget
+from kvserve.cache.kv_format import (
+    KVLayout,
+    kv_block_bytes,
+    kv_sequence_extra_bytes,
+    normalize_kv_dtype,
+    num_blocks_for_budget,
+)
 from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
@@ -22,9 +28,13 @@ from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 from kvserve.plan.memory import estimate_activation_bytes
+from kvserve.quant.scales import KVScales, model_fingerprint
 
 logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+CLIP_WARN_RATIO = 0.001  # drift watch: warn once when more than this share of K/V is clipped
 
 
 class LoadedModel(NamedTuple):
@@ -33,11 +43,13 @@ class LoadedModel(NamedTuple):
     model: LlamaForCausalLM
     tokenizer: Any | None
     weight_bytes: int
+    fingerprint: str  # see kvserve.quant.scales.model_fingerprint
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     path = resolve_model_path(model)
     model_config, weights = load_checkpoint(path)
+    fingerprint = model_fingerprint(asdict(model_config), weights)
     module = LlamaForCausalLM(model_config, model_config.max_position_embeddings)
     module.load_weights(weights)
     del weights
@@ -45,7 +57,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     pack_linears_for_cpu(module)
-    return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes)
+    return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint)
 
 
 class InvalidRequestError(ValueError):
@@ -84,20 +96,30 @@ class LLMEngine:
         if loaded is not None:
             self.dtype, self.device = loaded.model.norm.dtype, loaded.model.norm.device
         loaded = loaded or load_model(config.model, self.device, self.dtype)
-        self.model_path, self.model_config, self.model, self.tokenizer, self.weight_bytes = loaded
+        self.model_path, self.model_config, self.model, self.tokenizer, self.weight_bytes, self.fingerprint = loaded
         model_config = self.model_config
         self.max_model_len = self._max_model_len()
 
-        # the same formula the planner uses (kvserve.cache.kv_format), so the two agree
-        self.kv_cache_dtype = normalize_kv_dtype("auto", str(self.dtype).removeprefix("torch."))
-        self.kv_block_bytes = kv_block_bytes(KVLayout.standard(model_config.num_kv_heads, model_config.head_dim),
-                                             model_config.num_layers, self.kv_cache_dtype, config.block_size)
+        self.kv_quant = self._kv_quant_spec()
+        self.kv_cache_dtype = self.kv_quant.kv_dtype
+        # the same formulas the planner uses (kvserve.cache.kv_format), so the two agree
+        layout = KVLayout.standard(model_config.num_kv_heads, model_config.head_dim)
+        model_kind = normalize_kv_dtype("auto", str(self.dtype).removeprefix("torch."))
+        key_scales = "static" if self.kv_quant.key_scales is not None else "block"
+        kinds = [self.kv_quant.layer_kind(i, model_kind) for i in range(model_config.num_layers)]
+        self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, config.block_size, key_scales) for kind in kinds)
         self.kv_bytes_per_token = self.kv_block_bytes // config.block_size
+        # pools that keep a full-precision tail block per running sequence reserve one per max_num_seqs
+        self.kv_tail_bytes = sum(kv_sequence_extra_bytes(layout, 1, kind, config.block_size, model_kind, key_scales)
+                                 for kind in kinds)
         self.num_blocks = self._size_pool()
+        num_tail_slots = config.max_num_seqs if self.kv_tail_bytes else 0
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, self.dtype, self.device)
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+            model_config.head_dim, self.dtype, self.device, self.kv_quant, num_tail_slots)
+        self._clip_warned = False
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                         num_tail_slots)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
@@ -116,6 +138,25 @@ class LLMEngine:
                 f"max_model_len={self.config.max_model_len} exceeds the model's context length {limit}")
         return self.config.max_model_len or limit
 
+    def _kv_quant_spec(self) -> KVQuantSpec:
+        """The KV format from kv_cache_dtype, kv_scales and kv_cache_dtype_skip_layers."""
+        cfg, mcfg = self.config, self.model_config
+        kv_dtype = normalize_kv_dtype(cfg.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
+        bad = [i for i in cfg.kv_cache_dtype_skip_layers if i >= mcfg.num_layers]
+        if bad:
+            raise ConfigError(f"kv_cache_dtype_skip_layers: layer {bad[0]} does not exist "
+                              f"(the model has {mcfg.num_layers} layers)")
+        scales = None
+        if cfg.kv_scales is not None:
+            scales = KVScales.load(cfg.kv_scales)
+            scales.check_model(cfg.model, self.fingerprint, (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim))
+        quantized = kv_dtype in ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
+        return KVQuantSpec(
+            kv_dtype,
+            key_scales=scales.key_absmax if scales is not None and quantized else None,
+            fp8_scales=scales.fp8_scales(kv_dtype) if scales is not None and kv_dtype.startswith("fp8") else None,
+            skip_layers=frozenset(cfg.kv_cache_dtype_skip_layers))
+
     def _size_pool(self) -> int:
         cfg = self.config
         block_bytes = self.kv_block_bytes
@@ -133,6 +174,10 @@ class LLMEngine:
                       f"- weights {format_bytes(self.weight_bytes)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
+        tails = cfg.max_num_seqs * self.kv_tail_bytes
+        if tails:
+            budget -= tails
+            source += f" - full-precision tail blocks {format_bytes(tails)} for {cfg.max_num_seqs} sequences"
         num_blocks = num_blocks_for_budget(budget, block_bytes)
         if num_blocks < 2:
             raise ConfigError(
@@ -151,8 +196,12 @@ class LLMEngine:
             "KV cache: %d blocks x %d tokens = %d token slots, %s (%s, %d B/token, from %s); "
             "maximum concurrency for %d tokens per request: %.2fx",
             num_blocks - 1, cfg.block_size, capacity, format_bytes(num_blocks * block_bytes),
-            str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token, source, self.max_model_len,
+            self.kv_cache_dtype, self.kv_bytes_per_token, source, self.max_model_len,
             capacity / self.max_model_len)
+        if self.kv_cache_dtype in ("int8", "int4", "fp8_e4m3", "fp8_e5m2"):
+            logger.info("KV cache dtype %s: key scales %s", self.kv_cache_dtype,
+                        "static per layer" if self.kv_cache_dtype.startswith("fp8") else
+                        "static, calibrated" if self.kv_quant.key_scales is not None else "per block")
         return num_blocks
 
     def _activation_peak(self) -> int:
@@ -167,8 +216,9 @@ class LLMEngine:
         # Profile one max-size prefill against a throwaway pool sized for it.
         bs = cfg.block_size
         blocks = -(-tokens // bs) + 1
-        scratch = PagedKVCache(mcfg.num_layers, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
-        manager = KVCacheManager(blocks, bs)
+        scratch = PagedKVCache(mcfg.num_layers, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device,
+                               self.kv_quant, 1)
+        manager = KVCacheManager(blocks, bs, num_tail_slots=1 if scratch.uses_tail else 0)
         runner = ModelRunner(self.model, scratch, manager, self.device)
         dummy = Request("profile", [0] * tokens, SamplingParams(max_tokens=1), -1)
         manager.allocate_slots("profile", tokens)
@@ -237,6 +287,7 @@ class LLMEngine:
             return []
         sampled, result = self.runner.execute(chunks)
         self.kv_manager.record_step()  # peak figures as held during the forward pass
+        self._watch_drift()
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = []
@@ -324,7 +375,25 @@ class LLMEngine:
         )
 
     def kv_stats(self) -> KVCacheStats:
-        return self.kv_manager.stats()
+        stats = self.kv_manager.stats()
+        stats.kv_cache_dtype = self.kv_cache_dtype
+        stats.clip_ratio = self.clip_ratio()
+        return stats
+
+    def clip_ratio(self) -> float:
+        """Share of K/V elements clipped by static (calibrated) scales so far: the drift watch."""
+        clipped, checked = self.kv_cache.clip_stats()
+        return clipped / checked if checked else 0.0
+
+    def _watch_drift(self) -> None:
+        if self._clip_warned:
+            return
+        ratio = self.clip_ratio()
+        if ratio > CLIP_WARN_RATIO:
+            self._clip_warned = True
+            logger.warning("KV scales drift: %.3f%% of cached K/V values were clipped by the static scales "
+                           "(threshold %.1f%%): this traffic differs from the calibration data; recalibrate "
+                           "(kvserve calibrate) on it", 100 * ratio, 100 * CLIP_WARN_RATIO)
 
     @property
     def num_running(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_cache import KVWriteIndex, PagedKVCache, TailPlan
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling import SampleResult, sample
 from kvserve.engine.scheduler import ScheduledChunk
@@ -32,7 +32,7 @@ class ModelRunner:
         self.kv = kv_manager
         self.device = device
         self.block_size = kv_manager.block_size
-        self.dtype = kv_cache.storage.dtype
+        self.dtype = kv_cache.model_dtype
         self.decode_kernel = use_decode_kernel(device)
         self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype)
 
@@ -45,8 +45,12 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
         lens = torch.tensor(seq_lens, device=self.device)
         fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks)
+        tail_slots = None
+        if self.kv_cache.uses_tail:
+            tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id) for c in chunks], device=self.device)
         if self.decode_kernel if query_len == 1 else self.prefill_kernel:
-            return AttentionGroup(token_start, len(chunks), query_len, block_tables, None, lens, fresh, None)
+            return AttentionGroup(token_start, len(chunks), query_len, block_tables, None, lens, fresh, None,
+                                  tail_slots)
         kv_len = width * self.block_size
         # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it.
         key_pos = torch.arange(kv_len, device=self.device)
@@ -57,7 +61,42 @@ class ModelRunner:
             # measured on CPU: batched matmuls win for decode, SDPA's flash kernel for prefill
             cfg = self.model.config
             bias = attention_bias(mask, cfg.num_heads, cfg.num_kv_heads, self.dtype)
-        return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask, lens, fresh, bias)
+        return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask, lens, fresh, bias, tail_slots)
+
+    def _tail_plan(self, chunks: list[ScheduledChunk]) -> TailPlan:
+        """Moves for pools with tail slots (see TailPlan): a block is quantized in the step that
+        fills it; tokens of a sequence's partial last block live in its tail slot until then."""
+        bs = self.block_size
+        lists: dict[str, list[int]] = {name: [] for name in TailPlan._fields}
+        token = 0
+        for chunk in chunks:
+            request = chunk.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
+            slot = self.kv.tail_slot(request.request_id)
+            table = self.kv.block_ids(request.request_id)
+            first_new = start // bs
+            if start % bs:  # continue the partial block held in the tail slot
+                stop = min(end, (first_new + 1) * bs)
+                lists["pre_tokens"] += range(token, token + stop - start)
+                lists["pre_rows"] += range(slot * bs + start % bs, slot * bs + stop - (first_new * bs))
+                if stop == (first_new + 1) * bs:  # it filled: quantize it from the tail slot
+                    row = len(lists["block_ids"]) * bs
+                    lists["block_ids"].append(table[first_new])
+                    lists["stage_tail_rows"] += range(slot * bs, slot * bs + bs)
+                    lists["stage_from_tail"] += range(row, row + bs)
+                first_new += 1
+            for j in range(first_new, end // bs):  # blocks filled entirely by this chunk
+                row = len(lists["block_ids"]) * bs
+                lists["block_ids"].append(table[j])
+                lists["stage_tokens"] += range(token + j * bs - start, token + (j + 1) * bs - start)
+                lists["stage_token_rows"] += range(row, row + bs)
+            last = end // bs
+            if end % bs and last >= first_new:  # a new partial last block: into the tail slot
+                lists["post_tokens"] += range(token + last * bs - start, token + end - start)
+                lists["post_rows"] += range(slot * bs, slot * bs + end % bs)
+            token += chunk.num_tokens
+        return TailPlan(*(torch.tensor(lists[name], dtype=torch.long, device=self.device)
+                          for name in TailPlan._fields))
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:
@@ -87,12 +126,16 @@ class ModelRunner:
             offset += n * len(by_len[n])
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
         slot_mapping = torch.tensor(slots, device=self.device)
-        rows = kv_write_rows(slot_mapping, self.block_size, self.model.config.num_kv_heads)
-        meta = AttentionMetadata(slot_mapping, rows, groups, fused_rope_write=self.decode_kernel)
+        kv_heads = self.model.config.num_kv_heads
+        write = KVWriteIndex(
+            kv_write_rows(slot_mapping, self.block_size, 2 * kv_heads),
+            kv_write_rows(slot_mapping, self.block_size, kv_heads) if self.kv_cache.uses_value_scales else None,
+            self._tail_plan(ordered) if self.kv_cache.uses_tail else None)
+        meta = AttentionMetadata(slot_mapping, write, groups, fused_rope_write=self.decode_kernel)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
-            self.kv_cache.layer_caches,
+            self.kv_cache.layers,
             meta,
         )
         if not sampled:

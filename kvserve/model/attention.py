@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
+from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
 
 
@@ -34,6 +36,7 @@ class AttentionGroup:
     seq_lens: torch.Tensor  # [batch] tokens in the cache after this step's writes
     causal_from_start: bool  # every chunk starts at position 0: plain causal attention
     bias: torch.Tensor | None  # additive mask for the matmul decode path (None: kernel or SDPA)
+    tail_slots: torch.Tensor | None = None  # [batch] each sequence's tail slot (pools that keep one)
 
     @property
     def uses_kernel(self) -> bool:
@@ -44,7 +47,7 @@ class AttentionGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token
-    write_rows: torch.Tensor  # [num_tokens * 2 * kv_heads] pool rows (see kv_write_rows)
+    write: KVWriteIndex  # where the new tokens' K/V (and scales) go
     groups: list[AttentionGroup]
     fused_rope_write: bool = False  # layers may use the C++ rotary + cache-write op
 
@@ -77,18 +80,19 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
         kernel(qkv, cos, signed_sin, kv_cache, meta.slot_mapping, num_heads)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """key/value [T, KVH, D] into their slots of kv_cache [num_blocks, 2*KVH, block_size, D]."""
-    head_dim = kv_cache.shape[-1]
-    kv_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, torch.cat((key, value), dim=1).view(-1, head_dim))
-
-
-def kv_write_rows(slot_mapping: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
-    """Row of each new token's K and V heads in a layer's pool viewed as
-    [num_blocks * 2 * kv_heads * block_size, head_dim]. Built once per step."""
+def kv_write_rows(slot_mapping: torch.Tensor, block_size: int, heads: int) -> torch.Tensor:
+    """Row of each new token's ``heads`` rows in a per-block [num_blocks, heads, block_size, row]
+    tensor viewed as [num_blocks * heads * block_size, row]: the pool (heads = 2 * kv_heads, K then
+    V) or its value scales (heads = kv_heads). Built once per step."""
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    heads = torch.arange(2 * kv_heads, device=slot_mapping.device)
-    return ((blocks[:, None] * (2 * kv_heads) + heads[None, :]) * block_size + offsets[:, None]).view(-1)
+    head_ids = torch.arange(heads, device=slot_mapping.device)
+    return ((blocks[:, None] * heads + head_ids[None, :]) * block_size + offsets[:, None]).view(-1)
+
+
+@functools.cache
+def fp8_table(kind: str) -> torch.Tensor:
+    """float32 value of each of the 256 codes of an fp8 format (the C++ kernel's lookup table)."""
+    return torch.arange(256, dtype=torch.int64).to(torch.uint8).view(FP8_TYPES[kind]).float()
 
 
 def attention_bias(mask: torch.Tensor, num_heads: int, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -117,16 +121,33 @@ def _attend_kv_major(
     return out.view(kv_heads, batch, group, query_len, head_dim).permute(1, 3, 0, 2, 4)
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, H, D]; kv_cache [num_blocks, 2*KVH, block_size, D], this step's K/V already
-    written. Every group reads its sequences' K/V from the pool through their block tables.
-    Returns [T, H, D]."""
-    num_blocks, two_kv_heads, block_size, head_dim = kv_cache.shape
+def _quantized_kernel(out: torch.Tensor, query: torch.Tensor, layer: LayerKV, group: AttentionGroup,
+                      scale: float) -> None:
+    kernel = cpu_op("paged_attention_quantized")
+    assert kernel is not None, "groups without a mask need the C++ kernels"
+    lut = fp8_table(layer.kind) if layer.kind in FP8_TYPES else None
+    with record_function("kvserve::paged_attention_quantized"):
+        done = kernel(out, query, layer.data, KIND_CODES[layer.kind], layer.key_scales, layer.value_scales,
+                      layer.v_scale, lut, layer.tail, group.tail_slots if layer.tail is not None else None,
+                      group.block_tables, group.seq_lens, group.query_len, scale)
+    assert done, "the quantized attention kernel refused a supported shape"
+
+
+def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, H, D]; ``layer``'s pool [num_blocks, 2*KVH, block_size, row], this step's K/V
+    already written. Every group reads its sequences' K/V from the pool through their block
+    tables (quantized pools are dequantized block by block inside the kernel). Returns [T, H, D]."""
+    kv_cache = layer.data
+    num_blocks, two_kv_heads, block_size = kv_cache.shape[:3]
     kv_heads = two_kv_heads // 2
-    num_heads = query.shape[1]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    direct = layer.direct and kv_cache.dtype == query.dtype
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
+        if group.uses_kernel and not direct:
+            _quantized_kernel(out[group.token_start : end], query[group.token_start : end], layer, group, scale)
+            continue
         if group.uses_kernel:
             # reads K/V in place through the block tables (no gathered copy), writes into out
             name = "paged_decode_attention" if group.query_len == 1 else "paged_prefill_attention"
@@ -142,7 +163,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             continue
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, head_dim)
         width = group.block_tables.shape[1]
-        blocks = kv_cache.view(num_blocks, -1).index_select(0, group.block_tables.view(-1))
+        if direct:
+            blocks = kv_cache.view(num_blocks, -1).index_select(0, group.block_tables.view(-1))
+        else:
+            blocks = layer.gather(group.block_tables, group.seq_lens, group.tail_slots, query.dtype)
         kv = blocks.view(group.batch, width, two_kv_heads, block_size, head_dim).permute(2, 0, 1, 3, 4)
         kv = kv.reshape(two_kv_heads, group.batch, width * block_size, head_dim)
         k, v = kv[:kv_heads], kv[kv_heads:]

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv, write_kv
+from kvserve.cache.kv_cache import LayerKV
+from kvserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.loader import ModelConfig, ModelLoadError
 
@@ -135,7 +136,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         delta: torch.Tensor | None,
         rope: RotaryTables,
-        kv_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden is the residual stream, owned by the forward pass and updated in place; delta
@@ -146,19 +147,19 @@ class DecoderLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
-        if meta.fused_rope_write and self.q_norm is None:
-            rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv_cache, meta, heads)
+        if meta.fused_rope_write and self.q_norm is None and kv.direct and kv.data.dtype == qkv.dtype:
+            rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv.data, meta, heads)
             q = qkv[:, :heads]
         elif self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(F.rms_norm(qkv[:, :heads], (self.head_dim,), self.q_norm, self.eps), rope.cos, rope.sin)
             k = apply_rope(F.rms_norm(qkv[:, heads : heads + kv_heads], (self.head_dim,), self.k_norm, self.eps),
                            rope.cos, rope.sin)
-            write_kv(k, v, kv_cache, meta)
+            kv.write(k, v, meta.write)
         else:  # one rotary call for the query and key heads together
             qk = apply_rope(qkv[:, : heads + kv_heads], rope.cos, rope.sin)
             q = qk[:, :heads]
-            write_kv(qk[:, heads:], v, kv_cache, meta)
-        attn = paged_attention(q, kv_cache, meta, self.scale)
+            kv.write(qk[:, heads:], v, meta.write)
+        attn = paged_attention(q, kv, meta, self.scale)
         x = add_rms_norm(hidden, self.o_proj(attn.view(num_tokens, self.q_size)), self.post_attention_layernorm,
                          self.eps)
         return hidden, self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -189,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the flat batch of tokens."""

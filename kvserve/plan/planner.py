@@ -83,7 +83,8 @@ class _Sizer:
         self.spec, self.block_size = spec, block_size
         full = normalize_kv_dtype("auto", spec.dtype)
         self.layer_block = kv_block_bytes(spec.kv_layout, 1, kv_dtype, block_size, key_scales)
-        self.extra = kv_sequence_extra_bytes(spec.kv_layout, spec.num_layers, kv_dtype, block_size, full)
+        self.extra = kv_sequence_extra_bytes(spec.kv_layout, spec.num_layers, kv_dtype, block_size, full,
+                                            key_scales)
         self.per_token = spec.num_layers * self.layer_block / block_size
 
     def blocks(self, tokens: int) -> int:

@@ -124,6 +124,27 @@ static inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
 }
 
+// One key row against the G query heads in registers: a score per head at position pos.
+template <int NV, int G>
+static inline void score_row(const __m512 (&q)[G][NV], const __m512 (&k)[NV], float* probs, int64_t len,
+                             int64_t pos) {
+  for (int g = 0; g < G; ++g) {
+    __m512 s = _mm512_mul_ps(k[0], q[g][0]);
+    for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(k[i], q[g][i], s);
+    probs[g * len + pos] = _mm512_reduce_add_ps(s);
+  }
+}
+
+// One value row into the G heads' accumulators, weighted by each head's probability at pos.
+template <int NV, int G>
+static inline void accumulate_row(__m512 (&acc)[G][NV], const __m512 (&v)[NV], const float* probs, int64_t len,
+                                  int64_t pos) {
+  for (int g = 0; g < G; ++g) {
+    const __m512 p = _mm512_set1_ps(probs[g * len + pos]);
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+  }
+}
+
 // The same job with AVX-512 for head_dim = 16 * NV and G query heads per KV head, so the
 // queries and the output accumulators stay in registers: a K or V row is widened once and
 // used by all G heads. Walks each block's contiguous [block_size, dim] tile.
@@ -157,11 +178,7 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
       prefetch_row(value_base + table[blk] * block_stride + t * dim, dim * sizeof(T));
       __m512 k[NV];
       for (int i = 0; i < NV; ++i) k[i] = load16(tile + t * dim + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        __m512 s = _mm512_mul_ps(k[0], reg[g][0]);
-        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(k[i], reg[g][i], s);
-        probs[g * len + pos] = _mm512_reduce_add_ps(s);
-      }
+      score_row<NV, G>(reg, k, probs, len, pos);
     }
   }
   softmax_rows(probs, G, len);
@@ -173,10 +190,7 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
     for (int64_t t = 0; t < n; ++t) {
       __m512 v[NV];
       for (int i = 0; i < NV; ++i) v[i] = load16(tile + t * dim + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(probs[g * len + first + t]);
-        for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_fmadd_ps(p, v[i], reg[g][i]);
-      }
+      accumulate_row<NV, G>(reg, v, probs, len, first + t);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -211,6 +225,60 @@ static DecodeJob<T> vector_job(int64_t dim, int64_t group) {
 }
 #endif
 
+// Row conversions to and from float32 (vector loads where AVX-512 is available).
+template <typename T>
+static inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+static inline void from_float(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#if defined(__AVX512BF16__)
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, like c10's cast
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  }
+#endif
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Runs job(b, h, qf, len, probs, acc) for every (sequence, KV head) in parallel: qf holds the
+// group's scaled queries in float32, the job leaves the group's outputs in acc.
+template <typename T, typename Job>
+static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
+                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Job& job) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), probs;
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t b = j / kv_heads, h = j % kv_heads;
+      const int64_t len = lens[b];
+      if (static_cast<int64_t>(probs.size()) < group * len) probs.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qrow = q + b * q_stride + (h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
+      }
+      job(b, h, qf.data(), len, probs.data(), acc.data());
+      for (int64_t g = 0; g < group; ++g) from_float(acc.data() + g * dim, out + b * out_stride + (h * group + g) * dim, dim);
+    }
+  });
+}
+
 template <typename T>
 static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
                           T* out, int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -219,29 +287,15 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64
 #if defined(__AVX512F__)
   const DecodeJob<T> job_fn = vector_job<T>(dim, group);
 #endif
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), row(dim), probs;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / kv_heads, h = job % kv_heads;
-      const int64_t len = lens[b];
-      if (static_cast<int64_t>(probs.size()) < group * len) probs.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qrow = q + b * q_stride + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
-      }
-      const int64_t* table = tables + b * width;
+  decode_driver(q, q_stride, lens, out, out_stride, batch, heads, kv_heads, dim, scale,
+                [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc) {
+    const int64_t* table = tables + b * width;
 #if defined(__AVX512F__)
-      if (job_fn != nullptr)
-        job_fn(qf.data(), kv, table, len, h, kv_heads, block_size, probs.data(), acc.data());
-      else
+    if (job_fn != nullptr) return job_fn(qf, kv, table, len, h, kv_heads, block_size, probs, acc);
 #endif
-        decode_job_scalar<T>(qf.data(), kv, table, len, group, dim, h, kv_heads, block_size, probs.data(),
-                             acc.data(), row.data());
-      for (int64_t g = 0; g < group; ++g) {
-        T* orow = out + b * out_stride + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d]);
-      }
-    }
+    thread_local std::vector<float> row;
+    row.resize(dim);
+    decode_job_scalar<T>(qf, kv, table, len, group, dim, h, kv_heads, block_size, probs, acc, row.data());
   });
 }
 
@@ -306,38 +360,6 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
                                 kv_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), qkv.size(0), heads,
                                 kv_heads, qkv.size(2), kv_cache.size(2));
   });
-}
-
-// Row conversions to and from float32 (vector loads where AVX-512 is available).
-template <typename T>
-static inline void to_float(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, double>)
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <typename T>
-static inline void from_float(const float* src, T* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-#if defined(__AVX512BF16__)
-  else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, like c10's cast
-    for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-  }
-#endif
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 // Rows per task so that small (decode) batches stay on one thread: forking costs more than the work.
@@ -457,13 +479,15 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
 }
 
-template <typename T, int NV, int RB>
-static void prefill_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
-                           T* out, int64_t out_stride, int64_t batch, int64_t query_len, int64_t heads,
-                           int64_t kv_heads, int64_t width, int64_t block_size, float scale) {
+// Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
+// values) writes sequence b's KV head h as float32: keys transposed [dim][stride], values
+// [len][dim] (the stride >= len columns past len are zeroed here).
+template <typename T, int NV, int RB, typename Fill>
+static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
+                           int64_t batch, int64_t query_len, int64_t heads, int64_t kv_heads, float scale,
+                           const Fill& fill) {
   constexpr int64_t dim = NV * 16;
   const int64_t group = heads / kv_heads;
-  const int64_t block_stride = 2 * kv_heads * block_size * dim;
   // Phase 1: each sequence's keys, transposed to [dim][len16], and values [len16][dim], float32.
   std::vector<int64_t> padded(batch), base(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
@@ -475,13 +499,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const T* kv, const int6
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / kv_heads, h = job % kv_heads, len = lens[b], stride = padded[b];
       float* kt = keys_t.data() + base[b] + h * stride * dim;
-      float* vs = values.data() + base[b] + h * stride * dim;
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const T* block = kv + tables[b * width + pos / block_size] * block_stride;
-        const T* krow = block + (h * block_size + pos % block_size) * dim;
-        for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
-        to_float(block + ((kv_heads + h) * block_size + pos % block_size) * dim, vs + pos * dim, dim);
-      }
+      fill(b, h, len, stride, kt, values.data() + base[b] + h * stride * dim);
       for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * stride + len, kt + (d + 1) * stride, 0.f);
     }
   });
@@ -519,6 +537,16 @@ static void prefill_kernel(const T* q, int64_t q_stride, const T* kv, const int6
     }
   });
 }
+
+// The prefill kernel for this head size; false where there is no vector path for it.
+template <typename T, typename Fill>
+static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride, int64_t batch,
+                        int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill) {
+  if (dim == 64) prefill_kernel<T, 4, 4>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+  else if (dim == 128) prefill_kernel<T, 8, 2>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+  else return false;
+  return true;
+}
 #endif
 
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -539,21 +567,291 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(1) / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      auto run = [&](auto kernel) {
-        kernel(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-               lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
-               kv_heads, tables.size(1), kv_cache.size(2), static_cast<float>(scale));
-        done = true;
+      const scalar_t* kv = kv_cache.data_ptr<scalar_t>();
+      const int64_t* tab = tables.data_ptr<int64_t>();
+      const int64_t width = tables.size(1), block_size = kv_cache.size(2);
+      const int64_t block_stride = 2 * kv_heads * block_size * dim;
+      auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
+        for (int64_t pos = 0; pos < len; ++pos) {
+          const scalar_t* block = kv + tab[b * width + pos / block_size] * block_stride;
+          const scalar_t* krow = block + (h * block_size + pos % block_size) * dim;
+          for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
+          to_float(block + ((kv_heads + h) * block_size + pos % block_size) * dim, vs + pos * dim, dim);
+        }
       };
-      if (dim == 64) run(prefill_kernel<scalar_t, 4, 4>);
-      else if (dim == 128) run(prefill_kernel<scalar_t, 8, 2>);
+      done = run_prefill(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                         out.stride(0), tables.size(0), query_len, heads, kv_heads, dim, static_cast<float>(scale),
+                         fill);
     }
   });
 #endif
   return done;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Quantized (or differently typed) KV pools: int8, int4, fp8, or a float dtype other than the
+// query's. Attention dequantizes one block tile at a time into a small float32 buffer (keys
+// times their per-channel scales, values times their per-token/group scale) and runs the same
+// math as the float path on it: no full-precision copy of a sequence is made in decode.
+enum KVKind : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4, kI8 = 5, kI4 = 6 };
+
+struct QuantPool {
+  const uint8_t* data;        // [blocks, 2*kv_heads, block_size, row_bytes]
+  int64_t kind, kv_heads, block_size, dim, row_bytes;
+  const float* key_scales;    // [kv_heads, dim] static, or [blocks, kv_heads, dim]; null: none
+  bool key_per_block;
+  const float* value_scales;  // [blocks, kv_heads, block_size, groups]; null: v_scale for all
+  int64_t groups;
+  float v_scale;
+  const float* lut;           // fp8 code -> float
+  const uint8_t* tail;        // [slots, block_size, 2*kv_heads, dim] in tail_kind; null: none
+  int64_t tail_kind, tail_elem;
+
+  int64_t block_bytes() const { return 2 * kv_heads * block_size * row_bytes; }
+
+  // Row `src` (one head of one token, row_bytes) unscaled to float32.
+  void decode_row(const uint8_t* src, float* dst) const {
+    switch (kind) {
+      case kF32: to_float(reinterpret_cast<const float*>(src), dst, dim); break;
+      case kF16: to_float(reinterpret_cast<const c10::Half*>(src), dst, dim); break;
+      case kBF16: to_float(reinterpret_cast<const c10::BFloat16*>(src), dst, dim); break;
+      case kE4M3:
+      case kE5M2:
+        for (int64_t d = 0; d < dim; ++d) dst[d] = lut[src[d]];
+        break;
+      case kI8: {
+        const int8_t* codes = reinterpret_cast<const int8_t*>(src);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(codes[d]);
+        break;
+      }
+      default: {  // int4: channel d in byte d's low nibble, channel d + dim/2 in its high nibble
+        const int64_t half = dim / 2;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          dst[d] = static_cast<float>(static_cast<int>(src[d] & 15) - 8);
+          dst[d + half] = static_cast<float>(static_cast<int>(src[d] >> 4) - 8);
+        }
+      }
+    }
+  }
+
+  // Rows [0, n) of head j (K heads 0..kv_heads-1, then V heads) of pool block `block` -> dst [n, dim].
+  void block_rows(int64_t block, int64_t j, int64_t n, float* dst) const {
+    const uint8_t* rows = data + block * block_bytes() + j * block_size * row_bytes;
+    for (int64_t t = 0; t < n; ++t) decode_row(rows + t * row_bytes, dst + t * dim);
+    if (j < kv_heads) {
+      if (key_scales == nullptr) return;
+      const float* ks = key_scales + ((key_per_block ? block * kv_heads : 0) + j) * dim;
+      for (int64_t t = 0; t < n; ++t) {
+        float* row = dst + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) row[d] *= ks[d];
+      }
+      return;
+    }
+    const int64_t width = dim / groups;
+    for (int64_t t = 0; t < n; ++t) {
+      float* row = dst + t * dim;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float vs = value_scales == nullptr
+            ? v_scale : value_scales[((block * kv_heads + j - kv_heads) * block_size + t) * groups + g];
+#pragma omp simd
+        for (int64_t d = g * width; d < (g + 1) * width; ++d) row[d] *= vs;
+      }
+    }
+  }
+
+  // Rows [0, n) of head j from tail slot `slot` (full precision) -> dst [n, dim].
+  void tail_rows(int64_t slot, int64_t j, int64_t n, float* dst) const {
+    const int64_t token_elems = 2 * kv_heads * dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* src = tail + ((slot * block_size + t) * token_elems + j * dim) * tail_elem;
+      if (tail_kind == kF32) to_float(reinterpret_cast<const float*>(src), dst + t * dim, dim);
+      else if (tail_kind == kF16) to_float(reinterpret_cast<const c10::Half*>(src), dst + t * dim, dim);
+      else to_float(reinterpret_cast<const c10::BFloat16*>(src), dst + t * dim, dim);
+    }
+  }
+
+  // Block blk of a sequence of len tokens (table: its block ids), head j, as float32 rows;
+  // a partial last block comes from the tail slot when the pool keeps one. Returns the rows.
+  int64_t tile(const int64_t* table, int64_t blk, int64_t len, int64_t tail_slot, int64_t j, float* dst) const {
+    const int64_t n = std::min(block_size, len - blk * block_size);
+    if (tail != nullptr && n < block_size) tail_rows(tail_slot, j, n, dst);
+    else block_rows(table[blk], j, n, dst);
+    return n;
+  }
+};
+
+// Decode over a quantized pool for one (sequence, KV head): scores block by block from
+// dequantized key tiles, softmax, then values block by block. Vector path for dim = 16 * NV.
+#if defined(__AVX512F__)
+template <int NV, int G>
+static void decode_quant_avx512(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
+                                int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
+  constexpr int64_t dim = NV * 16;
+  const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs;
+  __m512 reg[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t n = pool.tile(table, blk, len, tail_slot, h, tile);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 k[NV];
+      for (int i = 0; i < NV; ++i) k[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
+      score_row<NV, G>(reg, k, probs, len, blk * bs + t);
+    }
+  }
+  softmax_rows(probs, G, len);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t n = pool.tile(table, blk, len, tail_slot, pool.kv_heads + h, tile);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
+      accumulate_row<NV, G>(reg, v, probs, len, blk * bs + t);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * dim + 16 * i, reg[g][i]);
+}
+
+using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_t, int64_t, int64_t, float*, float*,
+                          float*);
+
+template <int NV>
+static QuantJob pick_quant_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_quant_avx512<NV, 1>;
+    case 2: return decode_quant_avx512<NV, 2>;
+    case 3: return decode_quant_avx512<NV, 3>;
+    case 4: return decode_quant_avx512<NV, 4>;
+    case 6: return decode_quant_avx512<NV, 6>;
+    case 8: return decode_quant_avx512<NV, 8>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// The portable job over a quantized pool (the reference for the vector one).
+static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
+                                int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
+  const int64_t bs = pool.block_size, dim = pool.dim, num_blocks = (len + bs - 1) / bs;
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t n = pool.tile(table, blk, len, tail_slot, h, tile);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * tile[t * dim + d];
+        probs[g * len + blk * bs + t] = s;
+      }
+  }
+  softmax_rows(probs, group, len);
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t n = pool.tile(table, blk, len, tail_slot, pool.kv_heads + h, tile);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = probs[g * len + blk * bs + t];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * tile[t * dim + d];
+      }
+  }
+}
+
+static int64_t kind_of(torch::ScalarType t) {
+  return t == torch::kFloat ? kF32 : t == torch::kHalf ? kF16 : kBF16;
+}
+
+bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor data, int64_t kind,
+                               c10::optional<torch::Tensor> key_scales, c10::optional<torch::Tensor> value_scales,
+                               double v_scale, c10::optional<torch::Tensor> lut, c10::optional<torch::Tensor> tail,
+                               c10::optional<torch::Tensor> tail_slots, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, int64_t query_len, double scale) {
+  // Attention over one layer's quantized pool (see QuantPool); query_len 1 is decode, more is
+  // prefill (false, touching nothing, where there is no vector path for the head size).
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have q's dtype");
+  TORCH_CHECK(data.dim() == 4 && data.is_contiguous(), "data must be [blocks, 2*kv_heads, block, row]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
+  TORCH_CHECK(kind >= kF32 && kind <= kI4, "unknown KV kind");
+  TORCH_CHECK(q.size(0) == block_tables.size(0) * query_len, "q must hold query_len tokens per sequence");
+  const int64_t dim = q.size(2), heads = q.size(1), kv_heads = data.size(1) / 2;
+  QuantPool pool{};
+  pool.data = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  pool.kind = kind;
+  pool.kv_heads = kv_heads;
+  pool.block_size = data.size(2);
+  pool.dim = dim;
+  pool.row_bytes = data.size(3) * data.element_size();
+  pool.key_scales = key_scales.has_value() ? key_scales->data_ptr<float>() : nullptr;
+  pool.key_per_block = key_scales.has_value() && key_scales->dim() == 3;
+  pool.value_scales = value_scales.has_value() ? value_scales->data_ptr<float>() : nullptr;
+  pool.groups = value_scales.has_value() ? value_scales->size(3) : 1;
+  pool.v_scale = static_cast<float>(v_scale);
+  pool.lut = lut.has_value() ? lut->data_ptr<float>() : nullptr;
+  TORCH_CHECK((kind != kE4M3 && kind != kE5M2) || pool.lut != nullptr, "fp8 needs its lookup table");
+  if (tail.has_value()) {
+    TORCH_CHECK(tail->is_contiguous() && tail_slots.has_value(), "a tail needs contiguous slots and slot ids");
+    pool.tail = reinterpret_cast<const uint8_t*>(tail->data_ptr());
+    pool.tail_kind = kind_of(tail->scalar_type());
+    pool.tail_elem = tail->element_size();
+  }
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto slots = tail_slots.has_value() ? tail_slots->contiguous() : torch::Tensor();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* slot_ids = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
+  const int64_t width = tables.size(1), bs = pool.block_size, group = heads / kv_heads;
+  auto slot_of = [&](int64_t b) { return slot_ids == nullptr ? int64_t(-1) : slot_ids[b]; };
+  bool done = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_quantized", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (query_len == 1) {
+#if defined(__AVX512F__)
+        const QuantJob job_fn = dim == 64 ? pick_quant_group<4>(group) : dim == 128 ? pick_quant_group<8>(group) : nullptr;
+#endif
+        decode_driver(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                      out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
+                      [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc) {
+          thread_local std::vector<float> tile;
+          tile.resize(bs * dim);
+#if defined(__AVX512F__)
+          if (job_fn != nullptr) return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data());
+#endif
+          decode_quant_scalar(qf, pool, tab + b * width, len, slot_of(b), h, group, probs, acc, tile.data());
+        });
+        done = true;
+      }
+#if defined(__AVX512F__)
+      else {
+        auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
+          thread_local std::vector<float> tile;
+          tile.resize(bs * dim);
+          for (int64_t blk = 0; blk * bs < len; ++blk) {
+            const int64_t n = pool.tile(tab + b * width, blk, len, slot_of(b), h, tile.data());
+            for (int64_t t = 0; t < n; ++t)
+              for (int64_t d = 0; d < dim; ++d) kt[d * stride + blk * bs + t] = tile[t * dim + d];
+            pool.tile(tab + b * width, blk, len, slot_of(b), kv_heads + h, vs + blk * bs * dim);
+          }
+        };
+        done = run_prefill(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                           out.stride(0), tables.size(0), query_len, heads, kv_heads, dim, static_cast<float>(scale),
+                           fill);
+      }
+#endif
+    }
+  });
+  return done;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention_quantized", &paged_attention_quantized,
+        "attention over a quantized paged pool, written into out; False where unsupported: (out, q, data, kind, "
+        "key_scales, value_scales, v_scale, lut, tail, tail_slots, block_tables, seq_lens, query_len, scale)");
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
   m.def("paged_decode_attention", &paged_decode_attention,

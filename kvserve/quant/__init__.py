@@ -1,0 +1,1 @@
+"""KV-cache quantization tooling: calibration scales files, `kvserve calibrate` and `kvserve eval`."""

@@ -1,0 +1,163 @@
+"""KV-cache quantization: error bounds per format, exact int4 packing, the C++ kernels against
+the torch path over quantized pools, blocks quantized exactly when they fill (tail slots), and
+the pool's bytes equal to the planner's formula."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.cache.kv_format import KVLayout, kv_block_bytes
+from kvserve.cache.kv_quant import (
+    QMAX,
+    channel_scales,
+    dequantize,
+    expand_groups,
+    pack_int4,
+    quantize,
+    token_scales,
+    unpack_int4,
+)
+from kvserve.model.attention import use_decode_kernel
+
+QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+
+
+def _keys_with_outlier_channels(tokens: int = 64, heads: int = 3, dim: int = 64) -> torch.Tensor:
+    """Keys like real ones: a few channels 30-50x larger than the rest (seed §4.2)."""
+    torch.manual_seed(0)
+    k = torch.randn(tokens, heads, dim)
+    k[:, :, 5] *= 50
+    k[:, :, 17] *= 30
+    return k
+
+
+def test_int4_packing_round_trips_exactly() -> None:
+    codes = torch.randint(-8, 8, (5, 3, 64), dtype=torch.int8)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 3, 32)
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_per_channel_keys_beat_one_global_scale(kind: str) -> None:
+    """Per-channel key scales keep the small channels; one scale for everything loses them."""
+    k = _keys_with_outlier_channels()
+    scales = channel_scales(k, kind)  # [heads, dim]
+    per_channel = dequantize(quantize(k, scales, kind).codes, scales, kind)
+    global_scale = k.abs().max() / QMAX[kind]
+    one_scale = dequantize(quantize(k, global_scale, kind).codes, global_scale, kind)
+    # symmetric rounding: error at most half a step of each channel's own scale
+    assert ((per_channel - k).abs() <= scales / 2 + 1e-6).all()
+    normal = [c for c in range(64) if c not in (5, 17)]
+    err_pc = (per_channel - k)[..., normal].pow(2).mean()
+    err_global = (one_scale - k)[..., normal].pow(2).mean()
+    assert err_global > 20 * err_pc
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_per_token_values_bound_each_token_error(kind: str) -> None:
+    torch.manual_seed(1)
+    v = torch.randn(50, 3, 64) * torch.logspace(-2, 1, 50)[:, None, None]  # tokens of very different size
+    scales = token_scales(v, kind)  # [tokens, heads, groups]
+    full = expand_groups(scales, 64)
+    back = dequantize(quantize(v, full, kind).codes, full, kind)
+    assert ((back - v).abs() <= full / 2 + 1e-6).all()
+    # relative error per token is the same for small and large tokens
+    rel = (back - v).norm(dim=-1) / v.norm(dim=-1)
+    assert rel.max() < (0.02 if kind == "int8" else 0.25)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_relative_error_and_clipping(kind: str) -> None:
+    x = torch.randn(1000) * 3
+    scale = torch.tensor(1.0)
+    q = quantize(x, scale, kind, count_clips=True)
+    back = dequantize(q.codes, scale, kind)
+    mantissa_bits = 3 if kind == "fp8_e4m3" else 2
+    big = x.abs() > 0.1
+    assert ((back - x).abs()[big] / x.abs()[big]).max() <= 2.0 ** -(mantissa_bits + 1) + 1e-6
+    assert q.clipped == 0
+    tiny_scale = torch.tensor(x.abs().max().item() / QMAX[kind] / 4)  # a scale calibrated on smaller data
+    clipped = quantize(x, tiny_scale, kind, count_clips=True).clipped
+    assert 0 < clipped < x.numel()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", *QUANTIZED])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_pool_bytes_equal_the_planner_formula(kv_dtype: str, block_size: int,
+                                              tiny_model_factory: Callable[..., Path]) -> None:
+    path = str(tiny_model_factory("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
+    engine = LLM(path, kv_cache_memory="2MiB", kv_cache_dtype=kv_dtype, block_size=block_size).engine
+    cfg = engine.model_config
+    layout = KVLayout.standard(cfg.num_kv_heads, cfg.head_dim)
+    per_block = kv_block_bytes(layout, cfg.num_layers, kv_dtype, block_size, key_scales="block")
+    assert engine.kv_block_bytes == per_block
+    assert engine.kv_cache.nbytes == engine.num_blocks * per_block
+    assert engine.kv_cache.nbytes + engine.kv_cache.tail_nbytes <= 2 * 2**20
+
+
+@pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", *QUANTIZED])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (4, 2), (9, 3)])
+def test_quantized_kernels_match_the_torch_path(kv_dtype: str, heads: int, kv_heads: int,
+                                                tiny_model_factory: Callable[..., Path]) -> None:
+    """Decode and prefill (fresh and after cached chunks) read the quantized pool the same way
+    in the C++ kernels as in the torch gather path: same tokens, log-probs equal to 2e-3 (float32
+    summation order differs; random weights amplify it over 12 steps)."""
+    path = str(tiny_model_factory("qwen2", hidden_size=64 * heads, num_attention_heads=heads,
+                                  num_key_value_heads=kv_heads))
+    prompts = [[5] * 3, list(range(1, 90)), [9, 8, 7, 6], list(range(200, 240))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = []
+    for kernel in (True, False):
+        llm = LLM(path, kv_cache_memory="4MiB", max_num_batched_tokens=40, kv_cache_dtype=kv_dtype)
+        if not kernel:
+            llm.engine.runner.decode_kernel = llm.engine.runner.prefill_kernel = False
+        outs.append(llm.generate(prompts, params))
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 2e-3
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("chunk", [7, 20, 40])
+def test_blocks_are_quantized_when_full_and_tails_stay_exact(kv_dtype: str, chunk: int,
+                                                             tiny_model_factory: Callable[..., Path]) -> None:
+    """Layer 0's K/V depend only on the tokens, so a full-precision engine fed the same tokens is
+    the reference: every full block in the quantized pool dequantizes to it within half a
+    quantization step; the partial last block (tail slot) equals it up to float32 rounding (the
+    reference computes it in one chunk, with the fused rotary op)."""
+    path = str(tiny_model_factory("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
+    quant = LLM(path, kv_cache_memory="4MiB", max_num_batched_tokens=chunk, kv_cache_dtype=kv_dtype).engine
+    prompt = list(range(3, 60))
+    request = quant.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(20):  # chunked prefill, then decode steps
+        quant.step()
+    tokens = (prompt + request.output_token_ids)[: request.num_computed_tokens]
+    ref = LLM(path, kv_cache_memory="4MiB", kv_cache_dtype="fp32").engine
+    ref_request = ref.add_request(tokens, SamplingParams(max_tokens=2))
+    ref.step()
+    assert ref_request.num_computed_tokens == len(tokens)
+    bs = quant.config.block_size
+    layer = quant.kv_cache.layers[0]
+    tables = torch.tensor([quant.kv_manager.block_ids(request.request_id)])
+    got = layer.gather(tables, torch.tensor([len(tokens)]),
+                       torch.tensor([quant.kv_manager.tail_slot(request.request_id)]), torch.float32)[0]
+    want = ref.kv_cache.layers[0].data[ref.kv_manager.block_ids(ref_request.request_id)]
+    full = len(tokens) // bs
+    assert len(tokens) % bs, "the test wants a partial last block"
+    torch.testing.assert_close(got[full, :, : len(tokens) % bs], want[full, :, : len(tokens) % bs],
+                               atol=1e-5, rtol=1e-5)
+    kv_heads = got.shape[1] // 2
+    step = QMAX[kv_dtype]
+    k_err = (got[:full, :kv_heads] - want[:full, :kv_heads]).abs()
+    k_half_step = want[:full, :kv_heads].abs().amax(dim=2, keepdim=True) / step / 2  # per block and channel
+    assert (k_err <= k_half_step + 1e-5).all()
+    v_err = (got[:full, kv_heads:] - want[:full, kv_heads:]).abs().amax()
+    assert v_err <= want[:full, kv_heads:].abs().amax() / step / 2 + 1e-5
