@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import SCHEDULING_POLICIES, ConfigError, read_jsonl
+from kvserve.config import SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4")
     g.add_argument("--kv-scales", default=None,
                    help="calibration file from kvserve calibrate: static key scales (int8/int4), fp8 scales")
+    g.add_argument("--kv-key-scales", default="auto", choices=["auto", "static", "block", "global"],
+                   help="int8/int4 key scales: static (calibrated, needs --kv-scales), per block, or global "
+                        "(one scale for all K and V, to measure the mistake); auto: static with --kv-scales")
     g.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
                    help="comma-separated layer indices kept in the model dtype, e.g. 0,29")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -52,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_scales": args.kv_scales,
-        "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers,
+        "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers, "kv_key_scales": args.kv_key_scales,
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed,
     }
@@ -64,13 +67,7 @@ def read_prompts(path: Path) -> list[Any]:
         raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
     if path.suffix != ".jsonl":
         return [line for line in path.read_text().splitlines() if line.strip()]
-    prompts: list[Any] = []
-    for n, obj in read_jsonl(path):
-        key = next((k for k in ("messages", "prompt", "text") if k in obj), None)
-        if key is None:
-            raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
-        prompts.append(obj[key])
-    return prompts
+    return read_jsonl_prompts(path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -153,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
     add_engine_args(server)
     from kvserve.bench.cli import add_bench_args, cmd_bench
+    from kvserve.quant.calibrate import add_calibrate_args, cmd_calibrate
+    from kvserve.quant.evaluate import add_eval_args, cmd_eval
+
+    add_calibrate_args(sub.add_parser("calibrate", help="KV quantization scales from your data; --check another"))
+    add_eval_args(sub.add_parser("eval", help="KV quantization quality: PPL, KL, top-1, bytes, concurrency"))
 
     add_bench_args(sub.add_parser("bench", help="load-test a server: sweep, knee, plots; compare runs"))
     args = parser.parse_args(argv)
@@ -165,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
+        if args.command == "eval":
+            return cmd_eval(args)
     except ValueError as e:  # ConfigError, InvalidRequestError, ModelLoadError
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ _UNITS = {
     "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_KEY_SCALES = ("auto", "static", "block", "global")
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,18 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not isinstance(obj, dict):
             raise ConfigError(f"{path}:{n}: expected a JSON object")
         yield n, obj
+
+
+def read_jsonl_prompts(path: Path) -> list[Any]:
+    """The "messages", "prompt" or "text" field of each object of a .jsonl file (in that order of
+    preference); an object with none is a ConfigError naming its line."""
+    prompts: list[Any] = []
+    for n, obj in read_jsonl(path):
+        key = next((k for k in ("messages", "prompt", "text") if k in obj), None)
+        if key is None:
+            raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
+        prompts.append(obj[key])
+    return prompts
 
 
 def format_bytes(nbytes: float) -> str:
@@ -104,6 +117,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4
     kv_scales: str | None = None  # calibration file (kvserve calibrate): static key scales, fp8 scales
     kv_cache_dtype_skip_layers: tuple[int, ...] = ()  # layers kept in the model dtype
+    # int8/int4 key scales: auto (static with kv_scales, else per block), static, block, or global
+    # (one calibrated scale for all K and V: the classic mistake, kept to measure it)
+    kv_key_scales: str = "auto"
     enable_prefix_caching: bool = True  # on by default, as in vLLM v1
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first (bounded wait)
     seed: int = 0
@@ -119,6 +135,10 @@ class EngineConfig:
             normalize_kv_dtype(self.kv_cache_dtype, "fp32")
         except ValueError as exc:
             raise ConfigError(f"kv_cache_dtype: {exc}") from None
+        if self.kv_key_scales not in KV_KEY_SCALES:
+            raise ConfigError(f"kv_key_scales must be one of {', '.join(KV_KEY_SCALES)}, got {self.kv_key_scales!r}")
+        if self.kv_key_scales in ("static", "global") and self.kv_scales is None:
+            raise ConfigError(f"kv_key_scales={self.kv_key_scales} needs a calibration file (kv_scales)")
         self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
         if any(not isinstance(i, int) or i < 0 for i in self.kv_cache_dtype_skip_layers):
             raise ConfigError(f"kv_cache_dtype_skip_layers must be layer indices >= 0, "

@@ -19,7 +19,7 @@ def _setup_logging() -> None:
     logger = logging.getLogger("kvserve")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("INFO %(asctime)s kvserve: %(message)s", "%H:%M:%S"))
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s kvserve: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False

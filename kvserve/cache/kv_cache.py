@@ -26,12 +26,18 @@ import torch
 from kvserve.cache.kv_quant import (
     FLOAT_KINDS,
     QMAX,
+    affine_params,
     channel_scales,
     dequantize,
-    expand_groups,
+    from_int4_codes,
+    grouped,
+    hadamard,
+    int4_codes,
+    pack_int4,
     quantize,
     row_bytes,
     token_scales,
+    unpack_int4,
     value_groups,
 )
 
@@ -71,13 +77,17 @@ class LayerKV:
 
     kind: str  # kv_quant.KIND_CODES key
     data: torch.Tensor  # [num_blocks, 2 * kv_heads, block_size, row]
-    key_scales: torch.Tensor | None  # float32 [kv_heads, dim] static, or [num_blocks, kv_heads, dim]
-    value_scales: torch.Tensor | None  # float32 [num_blocks, kv_heads, block_size, groups]
+    # int8/fp8: float32 [kv_heads, dim] static, or [num_blocks, kv_heads, dim];
+    # int4: float16 (step, minimum) per block [num_blocks, kv_heads, 2, dim]
+    key_scales: torch.Tensor | None
+    # int8: float32 [num_blocks, kv_heads, block_size, 1]; int4: float16 [..., groups, 2] (step, minimum)
+    value_scales: torch.Tensor | None
     v_scale: float  # fp8's static value scale
     tail: torch.Tensor | None  # [slots, block_size, 2 * kv_heads, dim] in the model dtype
     clipped: torch.Tensor  # int64: elements clipped by static scales so far
     value_scale_override: float | None = None  # one fixed value scale (the "global scale" mistake)
     checked: int = 0  # elements that passed through static scales
+    key_rotation: torch.Tensor | None = None  # [dim, dim] orthonormal: keys stored as k @ R (q too)
 
     @classmethod
     def float_pool(cls, data: torch.Tensor) -> LayerKV:
@@ -92,11 +102,11 @@ class LayerKV:
 
     @property
     def per_block_key_scales(self) -> bool:
-        return self.key_scales is not None and self.key_scales.dim() == 3
+        return self.key_scales is not None and self.key_scales.dim() >= 3
 
     def _value_scales(self, v: torch.Tensor) -> torch.Tensor:
         if self.value_scale_override is not None:
-            return torch.full((*v.shape[:-1], value_groups(self.kind, v.shape[-1])), self.value_scale_override)
+            return torch.full((*v.shape[:-1], 1), self.value_scale_override)
         return token_scales(v, self.kind)
 
     def _quantize_kv(self, k: torch.Tensor, v: torch.Tensor, key_scales: torch.Tensor
@@ -110,7 +120,7 @@ class LayerKV:
             self.checked += k.numel() + v.numel()
             return torch.cat((kq.codes, vq.codes), dim=-2), None
         vs = self._value_scales(v)
-        vq = quantize(v, expand_groups(vs, v.shape[-1]), self.kind, count_clips=self.value_scale_override is not None)
+        vq = quantize(v, vs, self.kind, count_clips=self.value_scale_override is not None)
         if static:
             self.clipped += kq.clipped + vq.clipped
             self.checked += k.numel() + (v.numel() if self.value_scale_override is not None else 0)
@@ -125,6 +135,8 @@ class LayerKV:
             return
         if self.tail is None:
             assert self.key_scales is not None
+            if self.key_rotation is not None:
+                key = key.float() @ self.key_rotation
             codes, vs = self._quantize_kv(key, value, self.key_scales)
             self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, codes.view(-1, codes.shape[-1]))
             if vs is not None:
@@ -149,6 +161,16 @@ class LayerKV:
         stage = stage.view(num, block_size, 2 * kv_heads, -1)
         k, v = stage[:, :, :kv_heads], stage[:, :, kv_heads:]
         assert self.key_scales is not None and self.value_scales is not None
+        if self.kind == "int4":  # asymmetric: keys per block and channel, values per token and group
+            k_step, k_low = affine_params(k.float(), dim=1)  # [num, kv_heads, dim]
+            groups = self.value_scales.shape[3]
+            v_step, v_low = affine_params(grouped(v.float(), groups), dim=-1)  # [num, bs, kv_heads, groups]
+            k_codes = pack_int4(int4_codes(k, k_step[:, None], k_low[:, None]))
+            v_codes = pack_int4(int4_codes(grouped(v, groups), v_step[..., None], v_low[..., None]).flatten(-2))
+            self.key_scales.index_copy_(0, plan.block_ids, torch.stack((k_step, k_low), dim=2))
+            self.value_scales.index_copy_(0, plan.block_ids, torch.stack((v_step, v_low), dim=-1).transpose(1, 2))
+            self.data.index_copy_(0, plan.block_ids, torch.cat((k_codes, v_codes), dim=2).transpose(1, 2))
+            return
         if self.per_block_key_scales:
             scales = channel_scales(k, self.kind, dim=1)  # [num, kv_heads, dim]
             self.key_scales.index_copy_(0, plan.block_ids, scales)
@@ -171,17 +193,23 @@ class LayerKV:
         kv_heads = data.shape[1] // 2
         if self.kind in FLOAT_KINDS:
             out = data.to(dtype)
+        elif self.kind == "int4":
+            assert self.key_scales is not None and self.value_scales is not None
+            affine = self.key_scales.index_select(0, flat)[:, :, None]  # [B*W, H, 1, 2, D]
+            k = from_int4_codes(unpack_int4(data[:, :kv_heads]), affine[..., 0, :], affine[..., 1, :])
+            v_affine = self.value_scales.index_select(0, flat)  # [B*W, H, bs, G, 2]
+            v_codes = grouped(unpack_int4(data[:, kv_heads:]), v_affine.shape[3])
+            v = from_int4_codes(v_codes, v_affine[..., 0:1], v_affine[..., 1:2]).flatten(-2)
+            out = torch.cat((k, v), dim=1).to(dtype)
         else:
             assert self.key_scales is not None
             ks = self.key_scales.index_select(0, flat)[:, :, None] if self.per_block_key_scales \
                 else self.key_scales[None, :, None]
             k = dequantize(data[:, :kv_heads], ks, self.kind)
-            dim = k.shape[-1]
             if self.value_scales is None:
                 v = dequantize(data[:, kv_heads:], torch.tensor(self.v_scale), self.kind)
             else:
-                vs = expand_groups(self.value_scales.index_select(0, flat), dim)
-                v = dequantize(data[:, kv_heads:], vs, self.kind)
+                v = dequantize(data[:, kv_heads:], self.value_scales.index_select(0, flat), self.kind)
             out = torch.cat((k, v), dim=1).to(dtype)
         out = out.view(batch, width, *out.shape[1:])
         if self.tail is not None and tail_slots is not None:
@@ -209,6 +237,7 @@ class KVQuantSpec(NamedTuple):
         return model_kind if layer in self.skip_layers else self.kv_dtype
 
     def uses_tail(self, kind: str) -> bool:
+        """int4, and int8 with per-block key scales, quantize a block only when it is full."""
         return kind == "int4" or (kind == "int8" and self.key_scales is None)
 
 
@@ -232,11 +261,15 @@ class PagedKVCache:
                 data = torch.empty((*shape, head_dim), dtype=FLOAT_KINDS[kind], device=device)
             else:
                 data = torch.empty((*shape, row_bytes(kind, head_dim)), dtype=torch.uint8, device=device)
-            key_scales = value_scales = tail = None
+            key_scales = value_scales = tail = rotation = None
             v_scale = 1.0
-            if kind in ("int8", "int4"):
-                value_scales = torch.empty((num_blocks, num_kv_heads, block_size, value_groups(kind, head_dim)),
-                                           dtype=torch.float32, device=device)
+            if kind == "int4":
+                key_scales = torch.empty((num_blocks, num_kv_heads, 2, head_dim), dtype=torch.float16, device=device)
+                value_scales = torch.empty((num_blocks, num_kv_heads, block_size, value_groups(kind, head_dim), 2),
+                                           dtype=torch.float16, device=device)
+            elif kind == "int8":
+                value_scales = torch.empty((num_blocks, num_kv_heads, block_size, 1), dtype=torch.float32,
+                                           device=device)
                 if quant.key_scales is not None:
                     key_scales = (quant.key_scales[layer] / QMAX[kind]).float().to(device).contiguous()
                 else:
@@ -244,12 +277,15 @@ class PagedKVCache:
             elif kind not in FLOAT_KINDS:  # fp8
                 k_scale, v_scale = (1.0, 1.0) if quant.fp8_scales is None else map(float, quant.fp8_scales[layer])
                 key_scales = torch.full((num_kv_heads, head_dim), k_scale, dtype=torch.float32, device=device)
+                if head_dim & (head_dim - 1) == 0:
+                    rotation = hadamard(head_dim).to(device)
             if kind not in FLOAT_KINDS and quant.uses_tail(kind):
                 tail = torch.zeros((num_tail_slots, block_size, 2 * num_kv_heads, head_dim), dtype=dtype,
                                    device=device)
             self.layers.append(LayerKV(kind, data, key_scales, value_scales, v_scale, tail,
                                        torch.zeros((), dtype=torch.long, device=device),
-                                       quant.value_scale_override if kind in ("int8", "int4") else None))
+                                       quant.value_scale_override if kind == "int8" else None,
+                                       key_rotation=rotation))
         self.zeroed_up_to = -1
         self.zero_new_blocks(0)
 

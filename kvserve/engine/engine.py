@@ -20,6 +20,7 @@ from kvserve.cache.kv_format import (
     normalize_kv_dtype,
     num_blocks_for_budget,
 )
+from kvserve.cache.kv_quant import FP8_TYPES, QMAX
 from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
@@ -150,12 +151,23 @@ class LLMEngine:
         if cfg.kv_scales is not None:
             scales = KVScales.load(cfg.kv_scales)
             scales.check_model(cfg.model, self.fingerprint, (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim))
-        quantized = kv_dtype in ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
-        return KVQuantSpec(
-            kv_dtype,
-            key_scales=scales.key_absmax if scales is not None and quantized else None,
-            fp8_scales=scales.fp8_scales(kv_dtype) if scales is not None and kv_dtype.startswith("fp8") else None,
-            skip_layers=frozenset(cfg.kv_cache_dtype_skip_layers))
+        mode = cfg.kv_key_scales if cfg.kv_key_scales != "auto" else "static" if scales is not None else "block"
+        if kv_dtype == "int4" and cfg.kv_key_scales in ("static", "global"):
+            raise ConfigError(f"kv_key_scales={cfg.kv_key_scales} does not apply to int4: its key ranges are "
+                              f"always computed per block")
+        key_scales = fp8_scales = override = None
+        if scales is not None and mode == "global":  # one scale for every K and V element
+            top = float(max(scales.key_absmax.max(), scales.value_absmax.max()))
+            key_scales = torch.full_like(scales.key_absmax, top)
+            if kv_dtype in QMAX:
+                override = top / QMAX[kv_dtype]
+                fp8_scales = torch.full((mcfg.num_layers, 2), override)
+        elif scales is not None:
+            key_scales = scales.key_absmax if mode == "static" else None
+            fp8_scales = scales.fp8_scales(kv_dtype) if kv_dtype in FP8_TYPES else None
+        return KVQuantSpec(kv_dtype, key_scales=key_scales if kv_dtype == "int8" else None,
+                           fp8_scales=fp8_scales if kv_dtype in FP8_TYPES else None,
+                           skip_layers=frozenset(cfg.kv_cache_dtype_skip_layers), value_scale_override=override)
 
     def _size_pool(self) -> int:
         cfg = self.config

@@ -7,9 +7,11 @@ last token of chunks that complete their sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from kvserve.cache.kv_cache import KVWriteIndex, PagedKVCache, TailPlan
+from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, PagedKVCache, TailPlan
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling import SampleResult, sample
 from kvserve.engine.scheduler import ScheduledChunk
@@ -35,6 +37,8 @@ class ModelRunner:
         self.dtype = kv_cache.model_dtype
         self.decode_kernel = use_decode_kernel(device)
         self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype)
+        # sees every layer's new K (after rotary) and V before they are cached (calibration)
+        self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
 
     def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
         """One attention call for chunks of equal query length."""
@@ -101,6 +105,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:
         """Run one step. Returns the chunks that sampled (in order) and their samples."""
+        ordered, hidden = self.forward(chunks)
+        logit_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        row = 0
+        for chunk in ordered:
+            row += chunk.num_tokens
+            if chunk.completes_sequence:
+                logit_rows.append(row - 1)
+                sampled.append(chunk)
+        if not sampled:
+            return [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        params = [c.request.params for c in sampled]
+        generators = [c.request.generator for c in sampled]
+        return sampled, sample(logits, params, generators)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Write the chunks' K/V and return (chunks in batch order, final hidden state of every
+        token in that order). The caller advances num_computed_tokens."""
         by_len: dict[int, list[ScheduledChunk]] = {}
         for chunk in chunks:
             by_len.setdefault(chunk.num_tokens, []).append(chunk)
@@ -108,17 +132,12 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        logit_rows: list[int] = []
-        sampled: list[ScheduledChunk] = []
         for chunk in ordered:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
             input_ids += request.token_ids(start, end)
             positions += range(start, end)
             slots += self.kv.slot_mapping(request.request_id, start, end)
-            if chunk.completes_sequence:
-                logit_rows.append(len(input_ids) - 1)
-                sampled.append(chunk)
         groups: list[AttentionGroup] = []
         offset = 0
         for n in sorted(by_len):
@@ -131,16 +150,12 @@ class ModelRunner:
             kv_write_rows(slot_mapping, self.block_size, 2 * kv_heads),
             kv_write_rows(slot_mapping, self.block_size, kv_heads) if self.kv_cache.uses_value_scales else None,
             self._tail_plan(ordered) if self.kv_cache.uses_tail else None)
-        meta = AttentionMetadata(slot_mapping, write, groups, fused_rope_write=self.decode_kernel)
+        meta = AttentionMetadata(slot_mapping, write, groups, fused_rope_write=self.decode_kernel,
+                                 kv_observer=self.kv_observer)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             self.kv_cache.layers,
             meta,
         )
-        if not sampled:
-            return [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        params = [c.request.params for c in sampled]
-        generators = [c.request.generator for c in sampled]
-        return sampled, sample(logits, params, generators)
+        return ordered, hidden

@@ -12,6 +12,7 @@ sequence's length are masked out.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class AttentionMetadata:
     write: KVWriteIndex  # where the new tokens' K/V (and scales) go
     groups: list[AttentionGroup]
     fused_rope_write: bool = False  # layers may use the C++ rotary + cache-write op
+    kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None  # sees K/V before the write
 
 
 def use_decode_kernel(device: torch.device) -> bool:
@@ -142,6 +144,8 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
     kv_heads = two_kv_heads // 2
     num_heads, head_dim = query.shape[1], query.shape[2]
     direct = layer.direct and kv_cache.dtype == query.dtype
+    if layer.key_rotation is not None:  # keys are stored rotated: rotate q alike, q·k is unchanged
+        query = (query.float() @ layer.key_rotation).to(query.dtype)
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len

@@ -147,17 +147,22 @@ class DecoderLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
-        if meta.fused_rope_write and self.q_norm is None and kv.direct and kv.data.dtype == qkv.dtype:
+        if meta.fused_rope_write and self.q_norm is None and kv.direct and kv.data.dtype == qkv.dtype \
+                and meta.kv_observer is None:
             rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv.data, meta, heads)
             q = qkv[:, :heads]
         elif self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(F.rms_norm(qkv[:, :heads], (self.head_dim,), self.q_norm, self.eps), rope.cos, rope.sin)
             k = apply_rope(F.rms_norm(qkv[:, heads : heads + kv_heads], (self.head_dim,), self.k_norm, self.eps),
                            rope.cos, rope.sin)
+            if meta.kv_observer is not None:
+                meta.kv_observer(kv, k, v)
             kv.write(k, v, meta.write)
         else:  # one rotary call for the query and key heads together
             qk = apply_rope(qkv[:, : heads + kv_heads], rope.cos, rope.sin)
             q = qk[:, :heads]
+            if meta.kv_observer is not None:
+                meta.kv_observer(kv, qk[:, heads:], v)
             kv.write(qk[:, heads:], v, meta.write)
         attn = paged_attention(q, kv, meta, self.scale)
         x = add_rms_norm(hidden, self.o_proj(attn.view(num_tokens, self.q_size)), self.post_attention_layernorm,

@@ -6,11 +6,13 @@ JSON, written by ``kvserve calibrate`` and read by the engine (``--kv-scales``):
   model_fingerprint), num_layers, num_kv_heads, head_dim — a file from another model is refused;
 - ``num_samples``, ``num_tokens``, ``lengths``: the calibration data's token-length distribution;
 - ``key_absmax`` [layers][kv_heads][head_dim]: largest |K| per channel (after RoPE, as cached);
+- ``key_norm_max`` [layers]: largest L2 norm of a key head (bounds fp8's rotated keys);
 - ``value_absmax`` [layers][kv_heads]: largest |V| per head; ``value_token_absmax_p50``/``p99``
   [layers]: percentiles of each token's |V| max (the distribution per-token scales adapt to).
 
-Static key scales are key_absmax / qmax (int8 127, int4 7); fp8's per-layer scales are the
-layer's K and V absmax / the format's largest value.
+Static int8 key scales are key_absmax / 127; fp8's per-layer scales are the layer's largest key
+norm (its keys are stored Hadamard-rotated, and no rotated element exceeds the norm) and V
+absmax, over the format's largest value.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class KVScales:
     fingerprint: str
     key_absmax: torch.Tensor  # [layers, kv_heads, head_dim]
     value_absmax: torch.Tensor  # [layers, kv_heads]
+    key_norm_max: list[float] = field(default_factory=list)
     value_token_absmax_p50: list[float] = field(default_factory=list)
     value_token_absmax_p99: list[float] = field(default_factory=list)
     num_samples: int = 0
@@ -70,7 +73,7 @@ class KVScales:
 
     def fp8_scales(self, kind: str) -> torch.Tensor:
         """[layers, 2]: each layer's static K and V scale for fp8 ``kind``."""
-        k = self.key_absmax.flatten(1).amax(dim=1)
+        k = torch.tensor(self.key_norm_max) if self.key_norm_max else self.key_absmax.norm(dim=2).amax(dim=1)
         v = self.value_absmax.amax(dim=1)
         return (torch.stack((k, v), dim=1) / QMAX[kind]).clamp_(min=1e-8)
 
@@ -90,7 +93,8 @@ class KVScales:
                       "num_kv_heads": heads, "head_dim": dim},
             "source": self.source, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
             "lengths": self.lengths,
-            "key_absmax": self.key_absmax.tolist(), "value_absmax": self.value_absmax.tolist(),
+            "key_absmax": self.key_absmax.tolist(), "key_norm_max": self.key_norm_max,
+            "value_absmax": self.value_absmax.tolist(),
             "value_token_absmax_p50": self.value_token_absmax_p50,
             "value_token_absmax_p99": self.value_token_absmax_p99,
         }
@@ -116,6 +120,7 @@ class KVScales:
         expected = (model["num_layers"], model["num_kv_heads"], model["head_dim"])
         if tuple(key.shape) != expected or tuple(value.shape) != expected[:2]:
             raise ConfigError(f"KV scales file {str(p)!r}: tables do not match its model shape {expected}")
-        return cls(model["name"], model["fingerprint"], key, value, obj.get("value_token_absmax_p50", []),
+        return cls(model["name"], model["fingerprint"], key, value, obj.get("key_norm_max", []),
+                   obj.get("value_token_absmax_p50", []),
                    obj.get("value_token_absmax_p99", []), obj.get("num_samples", 0), obj.get("num_tokens", 0),
                    obj.get("lengths", {}), obj.get("source", ""))

@@ -600,7 +600,9 @@ struct QuantPool {
   int64_t kind, kv_heads, block_size, dim, row_bytes;
   const float* key_scales;    // [kv_heads, dim] static, or [blocks, kv_heads, dim]; null: none
   bool key_per_block;
-  const float* value_scales;  // [blocks, kv_heads, block_size, groups]; null: v_scale for all
+  const float* value_scales;  // [blocks, kv_heads, block_size, 1]; null: v_scale for all
+  const c10::Half* key_affine;    // int4: (step, minimum) [blocks, kv_heads, 2, dim]
+  const c10::Half* value_affine;  // int4: [blocks, kv_heads, block_size, groups, 2]
   int64_t groups;
   float v_scale;
   const float* lut;           // fp8 code -> float
@@ -625,12 +627,12 @@ struct QuantPool {
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(codes[d]);
         break;
       }
-      default: {  // int4: channel d in byte d's low nibble, channel d + dim/2 in its high nibble
+      default: {  // int4 codes 0..15: channel d in byte d's low nibble, channel d + dim/2 in its high one
         const int64_t half = dim / 2;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          dst[d] = static_cast<float>(static_cast<int>(src[d] & 15) - 8);
-          dst[d + half] = static_cast<float>(static_cast<int>(src[d] >> 4) - 8);
+          dst[d] = static_cast<float>(src[d] & 15);
+          dst[d + half] = static_cast<float>(src[d] >> 4);
         }
       }
     }
@@ -640,6 +642,7 @@ struct QuantPool {
   void block_rows(int64_t block, int64_t j, int64_t n, float* dst) const {
     const uint8_t* rows = data + block * block_bytes() + j * block_size * row_bytes;
     for (int64_t t = 0; t < n; ++t) decode_row(rows + t * row_bytes, dst + t * dim);
+    if (kind == kI4) return affine_rows(block, j, n, dst);
     if (j < kv_heads) {
       if (key_scales == nullptr) return;
       const float* ks = key_scales + ((key_per_block ? block * kv_heads : 0) + j) * dim;
@@ -658,6 +661,34 @@ struct QuantPool {
             ? v_scale : value_scales[((block * kv_heads + j - kv_heads) * block_size + t) * groups + g];
 #pragma omp simd
         for (int64_t d = g * width; d < (g + 1) * width; ++d) row[d] *= vs;
+      }
+    }
+  }
+
+  // int4 codes -> values: code * step + minimum (keys per channel of the block, values per group).
+  void affine_rows(int64_t block, int64_t j, int64_t n, float* dst) const {
+    if (j < kv_heads) {
+      const c10::Half* affine = key_affine + (block * kv_heads + j) * 2 * dim;
+      thread_local std::vector<float> step, low;
+      step.resize(dim);
+      low.resize(dim);
+      to_float(affine, step.data(), dim);
+      to_float(affine + dim, low.data(), dim);
+      for (int64_t t = 0; t < n; ++t) {
+        float* row = dst + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) row[d] = row[d] * step[d] + low[d];
+      }
+      return;
+    }
+    const int64_t width = dim / groups;
+    for (int64_t t = 0; t < n; ++t) {
+      float* row = dst + t * dim;
+      const c10::Half* affine = value_affine + ((block * kv_heads + j - kv_heads) * block_size + t) * groups * 2;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float step = static_cast<float>(affine[2 * g]), low = static_cast<float>(affine[2 * g + 1]);
+#pragma omp simd
+        for (int64_t d = g * width; d < (g + 1) * width; ++d) row[d] = row[d] * step + low;
       }
     }
   }
@@ -787,10 +818,19 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
   pool.block_size = data.size(2);
   pool.dim = dim;
   pool.row_bytes = data.size(3) * data.element_size();
-  pool.key_scales = key_scales.has_value() ? key_scales->data_ptr<float>() : nullptr;
-  pool.key_per_block = key_scales.has_value() && key_scales->dim() == 3;
-  pool.value_scales = value_scales.has_value() ? value_scales->data_ptr<float>() : nullptr;
-  pool.groups = value_scales.has_value() ? value_scales->size(3) : 1;
+  if (kind == kI4) {
+    TORCH_CHECK(key_scales.has_value() && value_scales.has_value() && key_scales->scalar_type() == torch::kHalf &&
+                value_scales->scalar_type() == torch::kHalf && value_scales->dim() == 5,
+                "int4 needs float16 (step, minimum) tables for keys and values");
+    pool.key_affine = key_scales->data_ptr<c10::Half>();
+    pool.value_affine = value_scales->data_ptr<c10::Half>();
+    pool.groups = value_scales->size(3);
+  } else {
+    pool.key_scales = key_scales.has_value() ? key_scales->data_ptr<float>() : nullptr;
+    pool.key_per_block = key_scales.has_value() && key_scales->dim() == 3;
+    pool.value_scales = value_scales.has_value() ? value_scales->data_ptr<float>() : nullptr;
+    pool.groups = 1;
+  }
   pool.v_scale = static_cast<float>(v_scale);
   pool.lut = lut.has_value() ? lut->data_ptr<float>() : nullptr;
   TORCH_CHECK((kind != kE4M3 && kind != kE5M2) || pool.lut != nullptr, "fp8 needs its lookup table");

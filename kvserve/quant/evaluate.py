@@ -1,0 +1,250 @@
+"""``kvserve eval``: what each KV format costs in quality and buys in memory, on held-out text.
+
+For every variant (a KV dtype, optionally ``:static``, ``:block`` or ``:global`` key scales) the
+held-out tokens are run through the engine in windows of ``--context`` tokens, chunked prefill
+of ``--chunk`` tokens at a time, so every chunk attends to the earlier ones through the
+quantized paged cache (and to itself: K/V are read back from the cache). Per variant:
+perplexity, its change against the first variant (full precision), the mean KL divergence of
+the next-token distributions, top-1 agreement, KV bytes per token (scales included), and the
+sequences of ``--context`` tokens the same KV budget holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from kvserve.cache.kv_cache_manager import cdiv
+from kvserve.cache.kv_format import KVLayout, kv_block_bytes
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
+from kvserve.engine.request import Request
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import ScheduledChunk
+from kvserve.quant.data import read_samples, tokenize
+
+KEY_SCALE_MODES = ("static", "block", "global")
+
+
+class Variant(NamedTuple):
+    name: str  # as given: "int8", "int4:block", "int8:global"
+    kv_dtype: str
+    key_scales: str  # auto, static, block, global
+
+
+class EvalResult(NamedTuple):
+    name: str
+    kv_cache_dtype: str
+    key_scales: str
+    tokens: int
+    ppl: float
+    delta_ppl_pct: float
+    mean_kl: float
+    top1_agreement: float
+    kv_bytes_per_token: int
+    bytes_vs_fp16: float
+    max_concurrency: int
+    clip_ratio: float
+    seconds: float
+
+
+def parse_variants(text: str) -> list[Variant]:
+    variants = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        dtype, _, mode = part.partition(":")
+        if mode and mode not in KEY_SCALE_MODES:
+            raise ConfigError(f"--kv-cache-dtype {part!r}: key scales must be one of {', '.join(KEY_SCALE_MODES)}")
+        variants.append(Variant(part, dtype, mode or "auto"))
+    if not variants:
+        raise ConfigError("--kv-cache-dtype names no variant")
+    return variants
+
+
+def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
+    """Log-probabilities [len-1, vocab] (float32) of each next token, from chunked prefill
+    through the engine's paged cache (its blocks are freed afterwards)."""
+    request = Request("eval", list(tokens), SamplingParams(max_tokens=1), -1)
+    kv = engine.kv_manager
+    rows = []
+    try:
+        for start in range(0, len(tokens), chunk):
+            end = min(len(tokens), start + chunk)
+            if not kv.allocate_slots(request.request_id, end):
+                raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
+            _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
+            request.num_computed_tokens = end
+            rows.append(torch.log_softmax(engine.model.compute_logits(hidden), dim=-1))
+    finally:
+        kv.free(request.request_id)
+    return torch.cat(rows)[:-1]
+
+
+class _Totals:
+    def __init__(self) -> None:
+        self.nll = 0.0
+        self.kl = 0.0
+        self.agree = 0
+        self.count = 0
+
+    def add(self, logprobs: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor) -> None:
+        self.nll -= float(logprobs.gather(1, targets[:, None]).sum())
+        self.kl += float((reference.exp() * (reference - logprobs)).sum())
+        self.agree += int((logprobs.argmax(dim=1) == reference.argmax(dim=1)).sum())
+        self.count += len(targets)
+
+
+def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[Variant], *, context: int,
+             chunk: int, kv_scales: str | None, kv_cache_memory: str, block_size: int,
+             progress: bool = True) -> list[EvalResult]:
+    """Score ``tokens`` in windows of ``context`` under every variant; the first is the reference."""
+    engines = []
+    for v in variants:
+        config = EngineConfig(model=model, kv_cache_dtype=v.kv_dtype, kv_key_scales=v.key_scales,
+                           kv_scales=kv_scales, block_size=block_size,
+                           kv_cache_memory=kv_cache_memory, enable_prefix_caching=False, max_num_seqs=1,
+                           max_model_len=context)
+        engines.append(LLMEngine(config, loaded=loaded))
+    windows = [tokens[i : i + context] for i in range(0, len(tokens), context)]
+    windows = [w for w in windows if len(w) > 1]
+    totals = [_Totals() for _ in variants]
+    seconds = [0.0] * len(variants)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(windows) * len(variants), desc="eval", unit="window")
+    for window in windows:
+        targets = torch.tensor(window[1:])
+        reference = None
+        for i, engine in enumerate(engines):
+            start = time.perf_counter()
+            logprobs = next_token_logprobs(engine, window, chunk)
+            seconds[i] += time.perf_counter() - start
+            reference = logprobs if reference is None else reference
+            totals[i].add(logprobs, targets, reference)
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    mcfg = loaded.config
+    layout = KVLayout.standard(mcfg.num_kv_heads, mcfg.head_dim)
+    fp16_per_token = kv_block_bytes(layout, mcfg.num_layers, "fp16", block_size) / block_size
+    ref_ppl = math.exp(totals[0].nll / totals[0].count)
+    budget = int(engines[0].config.kv_cache_memory or 0)
+    results = []
+    for v, engine, t, secs in zip(variants, engines, totals, seconds, strict=True):
+        ppl = math.exp(t.nll / t.count)
+        mode = "static" if engine.kv_quant.key_scales is not None else "block"
+        if v.key_scales == "global":
+            mode = "global"
+        if engine.kv_cache_dtype not in ("int8", "int4"):
+            mode = "static per layer" if engine.kv_cache_dtype.startswith("fp8") else "-"
+        results.append(EvalResult(
+            v.name, engine.kv_cache_dtype, mode, t.count, ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.count,
+            t.agree / t.count, engine.kv_bytes_per_token, engine.kv_bytes_per_token / fp16_per_token,
+            budget // (cdiv(context, block_size) * engine.kv_block_bytes + engine.kv_tail_bytes), engine.clip_ratio(),
+            secs))
+    return results
+
+
+def table(results: list[EvalResult]) -> str:
+    head = ("| variant | KV dtype | key scales | PPL | ΔPPL % | mean KL | top-1 agree | KV B/token | vs fp16 "
+            "| max seqs | clipped |")
+    lines = [head, "|" + "---|" * 11]
+    for r in results:
+        lines.append(f"| {r.name} | {r.kv_cache_dtype} | {r.key_scales} | {r.ppl:.3f} | {r.delta_ppl_pct:+.2f} | "
+                     f"{r.mean_kl:.4f} | {100 * r.top1_agreement:.1f}% | {r.kv_bytes_per_token} | "
+                     f"{r.bytes_vs_fp16:.3f}x | {r.max_concurrency} | {100 * r.clip_ratio:.3f}% |")
+    return "\n".join(lines)
+
+
+def plot(results: list[EvalResult], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels: list[tuple[str, list[float], str]] = [
+        ("ΔPPL % vs " + results[0].name, [r.delta_ppl_pct for r in results], "%.2f"),
+        ("KV bytes / token (scales included)", [float(r.kv_bytes_per_token) for r in results], "%d"),
+        ("max sequences in the same KV budget", [float(r.max_concurrency) for r in results], "%d")]
+    for ax, (title, values, fmt) in zip(axes, panels, strict=True):
+        bars = ax.bar(names, values, color=["#888" if i == 0 else "#3a7" for i in range(len(names))])
+        ax.set_title(title, fontsize=10)
+        ax.bar_label(bars, fmt=fmt, fontsize=8)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF folder")
+    parser.add_argument("--data", default="builtin:python-reference",
+                        help="held-out text: plain text, .jsonl, or builtin:python-reference (default)")
+    parser.add_argument("--kv-cache-dtype", default="auto,fp8_e4m3,int8,int4",
+                        help="comma-separated variants, the first is the reference; DTYPE[:static|block|global]")
+    parser.add_argument("--kv-scales", default=None, help="calibration file (kvserve calibrate)")
+    parser.add_argument("--num-tokens", type=int, default=20480, help="held-out tokens to score")
+    parser.add_argument("--context", type=int, default=2048, help="window length: contexts up to this")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read the cache)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="the budget 'max seqs' is computed in")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--out", default="kv_eval", help="folder for results.json, report.md, eval.png")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    for name in ("num_tokens", "context", "chunk"):
+        if getattr(args, name) < 2:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
+    variants = parse_variants(args.kv_cache_dtype)
+    probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)  # validates
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[probe.dtype]
+    loaded = load_model(args.model, device, dtype)
+    if loaded.tokenizer is None:
+        raise ConfigError(f"model {args.model!r} has no tokenizer to encode --data")
+    tokenizer = loaded.tokenizer
+
+    def chat(messages: list[dict[str, Any]]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True))
+
+    tokens: list[int] = []
+    for ids in tokenize(read_samples(args.data), lambda text: list(tokenizer.encode(text)), chat):
+        tokens += ids
+        if len(tokens) >= args.num_tokens:
+            break
+    tokens = tokens[: args.num_tokens]
+    if len(tokens) < args.num_tokens:
+        raise ConfigError(f"--data {args.data!r} holds {len(tokens)} tokens, fewer than --num-tokens "
+                          f"{args.num_tokens}")
+    results = evaluate(loaded, args.model, tokens, variants, context=args.context, chunk=args.chunk,
+                       kv_scales=args.kv_scales, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                       progress=not args.quiet)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {"model": args.model, "data": args.data, "tokens": len(tokens), "context": args.context,
+            "chunk": args.chunk, "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
+            "kv_scales": args.kv_scales, "model_dtype": str(dtype).removeprefix("torch.")}
+    (out / "results.json").write_text(json.dumps({"schema": 1, **meta,
+                                                  "results": [r._asdict() for r in results]}, indent=1))
+    text = table(results)
+    png = plot(results, out / "eval.png")
+    (out / "report.md").write_text(f"# KV quantization eval\n\n{json.dumps(meta)}\n\n{text}\n\n![eval]({png.name})\n")
+    print(text)
+    print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {png}")
+    return 0

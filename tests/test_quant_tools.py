@@ -1,0 +1,133 @@
+"""kvserve calibrate / eval on the real model: the scales file and its checks, the drift watch,
+the quality report, and bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.cache.kv_format import KVLayout, kv_block_bytes
+from kvserve.cli import main
+from kvserve.config import ConfigError
+from kvserve.engine.engine import LoadedModel
+from kvserve.quant.calibrate import calibrate, check
+from kvserve.quant.data import python_reference, stdlib_docstrings
+from kvserve.quant.scales import KVScales
+
+SHORT = [{"text": "The cat sat on the mat."}, {"messages": [{"role": "user", "content": "Hi there, how are you?"}]},
+         {"text": "Water boils at one hundred degrees Celsius at sea level."}]
+
+
+@pytest.fixture(scope="module")
+def scales_file(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    llm = LLM(loaded=smollm, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    data = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    data.write_text("\n".join(json.dumps(s) for s in SHORT) + "\n")
+    scales = calibrate(llm, str(data), num_samples=8, max_length=64, progress=False)
+    path = data.with_name("scales.json")
+    scales.save(path)
+    return path
+
+
+def test_scales_file_has_metadata_and_is_used_as_static_int8_key_scales(scales_file: Path,
+                                                                         smollm: LoadedModel) -> None:
+    obj = json.loads(scales_file.read_text())
+    assert obj["model"]["num_layers"] == 30 and obj["model"]["num_kv_heads"] == 3 and obj["model"]["head_dim"] == 64
+    assert obj["num_samples"] == 3 and obj["lengths"]["count"] == 3 and obj["lengths"]["max"] <= 64
+    scales = KVScales.load(scales_file)
+    assert scales.key_absmax.shape == (30, 3, 64) and (scales.key_absmax > 0).all()
+    assert len(scales.key_norm_max) == 30
+    engine = LLM(loaded=smollm, kv_cache_memory="32MiB", kv_cache_dtype="int8", kv_scales=str(scales_file)).engine
+    layer = engine.kv_cache.layers[0]
+    assert layer.tail is None and layer.key_scales is not None and layer.key_scales.shape == (3, 64)
+    torch.testing.assert_close(layer.key_scales, scales.key_absmax[0] / 127)
+    # static key scales: no per-block key scales and no tail, so bytes follow the "static" formula
+    assert engine.kv_block_bytes == kv_block_bytes(KVLayout.standard(3, 64), 30, "int8", 16, key_scales="static")
+    assert engine.kv_tail_bytes == 0
+
+
+def test_scales_from_another_model_are_rejected(scales_file: Path, tiny_model_factory: Callable[..., Path]) -> None:
+    path = str(tiny_model_factory("llama"))
+    with pytest.raises(ConfigError, match="run kvserve calibrate for this model"):
+        LLM(path, kv_cache_memory="2MiB", kv_cache_dtype="int8", kv_scales=str(scales_file))
+
+
+def test_check_warns_when_lengths_and_key_ranges_differ(scales_file: Path, smollm: LoadedModel,
+                                                        tmp_path: Path) -> None:
+    """Calibrated on three short chats, checked against long reference-manual text: both the
+    length mismatch and keys beyond the calibrated range are reported."""
+    llm = LLM(loaded=smollm, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    long_text = tmp_path / "long.txt"
+    long_text.write_text("\n\n".join(python_reference()[:4]))
+    report = check(llm, KVScales.load(scales_file), str(long_text), num_samples=2, max_length=512,
+                   progress=False, pack=True)
+    assert report.lengths["p50"] == 512
+    assert any("token lengths differ" in w for w in report.warnings)
+    assert report.key_clip_ratio > 0.001 and any("beyond the calibrated" in w for w in report.warnings)
+    same = tmp_path / "same.jsonl"
+    same.write_text(json.dumps(SHORT[0]) + "\n")
+    assert check(llm, KVScales.load(scales_file), str(same), num_samples=8, max_length=64,
+                 progress=False).warnings == []
+
+
+def test_drift_watch_counts_clipped_keys_and_warns_once(scales_file: Path, smollm: LoadedModel,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    llm = LLM(loaded=smollm, kv_cache_memory="32MiB", kv_cache_dtype="int8", kv_scales=str(scales_file))
+    prompts = ["\n\n".join(python_reference()[:2])[:3000], "Tell me about the history of the printing press."]
+    logger = logging.getLogger("kvserve")  # it does not propagate to the root logger caplog watches
+    logger.addHandler(caplog.handler)
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    finally:
+        logger.removeHandler(caplog.handler)
+    ratio = llm.kv_stats().clip_ratio
+    assert 0.001 < ratio < 0.5
+    assert sum("KV scales drift" in r.message for r in caplog.records) == 1
+
+
+def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "heldout.txt"
+    text.write_text("\n\n".join(stdlib_docstrings()[:40]))
+    out = tmp_path / "report"
+    code = main(["eval", "--data", str(text), "--num-tokens", "512", "--context", "256", "--chunk", "96",
+                 "--kv-cache-dtype", "auto,fp16,fp8_e4m3,int8,int8:block,int8:global,int4",
+                 "--kv-scales", str(scales_file), "--kv-cache-memory", "64MiB", "--out", str(out), "--quiet"])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in result["results"]}
+    assert result["tokens"] == 512 and rows["auto"]["tokens"] == 510  # two windows of 255 predictions
+    assert rows["auto"]["delta_ppl_pct"] == 0 and rows["auto"]["mean_kl"] == 0 and rows["auto"]["top1_agreement"] == 1
+    for name in ("fp8_e4m3", "int8", "int4"):
+        assert 0 < rows[name]["mean_kl"] < 0.2 and rows[name]["top1_agreement"] > 0.8
+    assert rows["fp16"]["mean_kl"] < rows["int8"]["mean_kl"]
+    # the classic mistake (one scale for all K and V) costs quality against per-channel/per-token scales
+    # (compared with per-block keys: this test's static scales come from three short chats and clip)
+    assert rows["int8:global"]["mean_kl"] > 2 * rows["int8:block"]["mean_kl"]
+    assert rows["int8"]["bytes_vs_fp16"] <= 0.52 and rows["int4"]["bytes_vs_fp16"] < 0.35
+    assert rows["int4"]["max_concurrency"] > rows["int8"]["max_concurrency"] > rows["fp16"]["max_concurrency"]
+    assert (out / "eval.png").stat().st_size > 1000 and "| int4 |" in (out / "report.md").read_text()
+    assert "ΔPPL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--kv-cache-dtype", "auto,int9"], "unknown KV cache dtype 'int9'"),
+    (["eval", "--kv-cache-dtype", "int8:perchannel"], "key scales must be one of"),
+    (["calibrate"], "give --data"),
+    (["calibrate", "--data", "nope.jsonl"], "'nope.jsonl' is neither a file"),
+    (["generate", "hi", "--kv-cache-dtype", "int3"], "unknown KV cache dtype 'int3'"),
+    (["generate", "hi", "--kv-cache-dtype", "int8", "--kv-scales", "missing.json"], "does not exist"),
+    (["generate", "hi", "--kv-cache-dtype", "int4", "--kv-key-scales", "global", "--kv-scales", "x.json"],
+     "does not exist"),
+])
+def test_bad_quantization_input_names_the_value(args: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
