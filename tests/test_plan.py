@@ -132,6 +132,35 @@ def test_plan_agrees_with_the_engine_pool(dtype: torch.dtype, block_size: int, s
     assert engine.kv_cache.nbytes == engine.num_blocks * block_size * report.kv_bytes_per_token
 
 
+@pytest.mark.parametrize("kv_dtype,key_scales", [("fp8_e4m3", "static"), ("fp8_e5m2", "static"), ("int8", "block"),
+                                                 ("int8", "static"), ("int4", "block"), ("fp16", "static")])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_plan_agrees_with_the_engine_for_every_kv_dtype(kv_dtype: str, key_scales: str, block_size: int,
+                                                        smollm: LoadedModel, tmp_path: Path) -> None:
+    """Quantized pools: plan's bytes per token and per sequence (int4's and per-block int8's
+    full-precision tail block included) and its block count equal what the engine allocates."""
+    kwargs: dict[str, Any] = {}
+    if key_scales == "static" and kv_dtype == "int8":
+        from kvserve.quant.scales import KVScales
+
+        cfg = smollm.config
+        scales_path = tmp_path / "scales.json"
+        KVScales("smollm2-135m", smollm.fingerprint, torch.ones(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                 torch.ones(cfg.num_layers, cfg.num_kv_heads)).save(scales_path)
+        kwargs["kv_scales"] = str(scales_path)
+    engine = LLM(loaded=smollm, block_size=block_size, kv_cache_memory="64MiB", kv_cache_dtype=kv_dtype,
+                 max_num_seqs=8, **kwargs).engine
+    spec = ModelSpec.from_model("smollm2-135m")
+    report = plan(spec, device_memory="1TB", kv_dtype=kv_dtype, block_size=block_size, key_scales=key_scales,
+                  context=1000, weight_dtype="fp32")  # the engine's model dtype: the tail block's dtype
+    assert report.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert report.kv_bytes_per_sequence == -(-1000 // block_size) * engine.kv_block_bytes + engine.kv_tail_bytes
+    budget = int(engine.config.kv_cache_memory) - 8 * engine.kv_tail_bytes  # tails reserved per max_num_seqs
+    assert kv_blocks_for_budget(spec, kv_dtype, block_size, budget, key_scales) == engine.num_blocks
+    assert engine.kv_cache.nbytes == engine.num_blocks * engine.kv_block_bytes
+    assert engine.kv_cache.tail_nbytes == 8 * engine.kv_tail_bytes
+
+
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = main(["plan", *args])
     out = capsys.readouterr()

@@ -114,6 +114,7 @@ def test_metrics_move(server: dict[str, Any]) -> None:
     assert metric(base, "kvserve:prefix_cache_hits_total") > hits_before
     assert metric(base, "kvserve:request_generation_tokens_count") >= 2
     assert metric(base, "process_resident_memory_bytes") > 0
+    assert metric(base, "kvserve:kv_cache_clip_ratio") == 0.0  # a full-precision cache clips nothing
 
 
 def test_client_disconnect_frees_blocks(server: dict[str, Any]) -> None:

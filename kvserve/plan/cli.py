@@ -39,7 +39,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     work.add_argument("--kv-cache-dtype", default="auto", help=f"auto or one of {', '.join(KV_DTYPES)}")
     work.add_argument("--kv-key-scales", default="static", choices=KEY_SCALE_MODES,
-                      help="int8/int4 key scales: one calibrated table, or also one per block")
+                      help="int8 key scales: one calibrated table, or one per block (+ a full-precision tail "
+                           "block per sequence); int4's are always per block")
     work.add_argument("--dtype", default=None, help=f"weight dtype: {', '.join(WEIGHT_BYTES)} (default: the model's)")
     work.add_argument("--block-size", type=int, default=16)
     work.add_argument("--activation-memory", help="activation + framework reserve, e.g. 4GB (default: estimated)")

@@ -36,6 +36,8 @@ class _PoolCollector:
                                     stats.live_tokens / stats.num_requests if stats.num_requests else 0.0),
             "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens", cache.hit_rate),
             "prefix_cache_cached_blocks": ("Blocks holding a published prefix", cache.cached_blocks),
+            "kv_cache_clip_ratio": ("Share of cached K/V values clipped by static (calibrated) quantization "
+                                    "scales: drift from the calibration data", stats.clip_ratio),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
