@@ -183,3 +183,17 @@ def test_blocks_are_quantized_when_full_and_tails_stay_exact(kv_dtype: str, chun
         v_half_step = v_half_step.expand_as(v).flatten(-2)
     assert ((got[:full, :kv_heads] - keys).abs() <= k_half_step + 1e-5).all()
     assert ((got[:full, kv_heads:] - values).abs() <= v_half_step + 1e-5).all()
+
+
+def test_skip_layers_stay_in_the_model_dtype(tiny_model_factory: Callable[..., Path]) -> None:
+    path = str(tiny_model_factory("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
+    prompts = [list(range(1, 50)), [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, kv_cache_memory="2MiB", kv_cache_dtype="int4", kv_cache_dtype_skip_layers=(0,))
+    engine = llm.engine
+    assert [layer.kind for layer in engine.kv_cache.layers] == ["fp32", "int4"]
+    layout = KVLayout.standard(1, 64)
+    assert engine.kv_block_bytes == kv_block_bytes(layout, 1, "fp32", 16) + kv_block_bytes(layout, 1, "int4", 16)
+    assert all(len(o.token_ids) == 6 for o in llm.generate(prompts, params))
+    with pytest.raises(ValueError, match="layer 5 does not exist"):
+        LLM(path, kv_cache_memory="2MiB", kv_cache_dtype="int8", kv_cache_dtype_skip_layers=(5,))

@@ -106,7 +106,7 @@ class LayerKV:
 
     def _value_scales(self, v: torch.Tensor) -> torch.Tensor:
         if self.value_scale_override is not None:
-            return torch.full((*v.shape[:-1], 1), self.value_scale_override)
+            return torch.full((*v.shape[:-1], 1), self.value_scale_override, device=v.device)
         return token_scales(v, self.kind)
 
     def _quantize_kv(self, k: torch.Tensor, v: torch.Tensor, key_scales: torch.Tensor
