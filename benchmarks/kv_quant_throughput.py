@@ -5,7 +5,8 @@
 
 Workload: 48 requests of 512 random prompt tokens and 128 output tokens (EOS ignored, no shared
 prefixes) submitted at once to one engine per KV dtype, all with the same --kv-cache-memory
-(default 64 MiB: 16-bit KV holds ~5 such requests at once). Per dtype: output tokens/s, total
+(default 64 MiB: 16-bit KV holds ~5 such requests at once) and --max-num-seqs 16 (int4 reserves
+a full-precision tail block per possible sequence from the budget). Per dtype: output tokens/s, total
 time, the most requests running at once, preemptions. Then the cost of reading each format:
 the mean decode step at a fixed batch (16 sequences of 1,024 tokens, plenty of memory), so the
 dequantization work shows on its own. bf16 model, 2 threads (this machine's cores).
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto,fp8_e4m3,int8,int4")
     parser.add_argument("--kv-scales", default=None, help="calibration file (static int8 key scales)")
     parser.add_argument("--kv-cache-memory", default="64MiB")
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="also the number of full-precision tail slots int4 reserves from the budget")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -78,7 +81,7 @@ def main() -> None:
     for kv_dtype in args.kv_cache_dtype.split(","):
         kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales else {}
         llm = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory,
-                  enable_prefix_caching=False, **kwargs)
+                  enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, **kwargs)
         llm.generate([prompts[0][:64]], SamplingParams(max_tokens=4))  # warm-up
         load = run_load(llm, prompts, args.max_tokens)
         wide = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB", enable_prefix_caching=False,

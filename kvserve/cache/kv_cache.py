@@ -129,7 +129,7 @@ class LayerKV:
     def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
         """key/value [T, kv_heads, dim]: this step's new tokens, into their slots."""
         kv_heads = key.shape[1]
-        if self.kind in FLOAT_KINDS and self.tail is None:
+        if self.direct:
             rows = torch.cat((key, value), dim=1).to(self.data.dtype)
             self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, rows.view(-1, rows.shape[-1]))
             return

@@ -55,8 +55,11 @@ def cpu_kernels() -> Any | None:
 
         source = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
         logger.info("loading the C++ CPU ops (compiled once, then cached)")
+        # the source's hash in the name: a changed source builds beside, never over, a library
+        # another running process has loaded
+        source_hash = hashlib.sha256(source.read_bytes()).hexdigest()[:8]
         module = load(
-            name=f"kvserve_cpu_ops_{_cpu_fingerprint()}",
+            name=f"kvserve_cpu_ops_{_cpu_fingerprint()}_{source_hash}",
             sources=[str(source)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],

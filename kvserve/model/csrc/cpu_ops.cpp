@@ -714,53 +714,169 @@ struct QuantPool {
   }
 };
 
-// Decode over a quantized pool for one (sequence, KV head): scores block by block from
-// dequantized key tiles, softmax, then values block by block. Vector path for dim = 16 * NV.
+// Decode over a quantized pool for one (sequence, KV head), vector path for dim = 16 * NV.
+// Quantized kinds are read straight from the pool's bytes, with the scales folded outside the
+// per-element work: keys' per-channel scales (int4: steps) multiply the query once per block
+// (int4's minimums add q·min to the block's scores), a value's per-token scale multiplies its
+// probability. float kinds of another dtype, and a sequence's tail block, go through a float
+// tile. fp8 widens through float16: e5m2 is float16's top byte; e4m3's magnitude bits shifted
+// into float16's exponent/mantissa fields give the value / 256 (subnormals included).
 #if defined(__AVX512F__)
-template <int NV, int G>
+template <int KIND, int NV>
+static inline void load_codes(const uint8_t* row, __m512 (&out)[NV]) {
+  if constexpr (KIND == kI8) {
+    for (int i = 0; i < NV; ++i)
+      out[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
+  } else if constexpr (KIND == kI4) {
+    for (int i = 0; i < NV / 2; ++i) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i)));
+      out[i] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+      out[i + NV / 2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    }
+  } else {
+    for (int i = 0; i < NV; ++i) {
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i)));
+      __m256i half;
+      if constexpr (KIND == kE5M2) {
+        half = _mm256_slli_epi16(b, 8);
+      } else {
+        half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                               _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+      }
+      out[i] = _mm512_cvtph_ps(half);
+    }
+  }
+}
+
+template <int KIND>
+static constexpr float kFp8Unit = KIND == kE4M3 ? 256.f : 1.f;  // what load_codes' values must be scaled by
+
+template <int KIND, int NV, int G>
 static void decode_quant_avx512(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
   constexpr int64_t dim = NV * 16;
   const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs;
-  __m512 reg[G][NV];
+  const int64_t kv_heads = pool.kv_heads, rb = pool.row_bytes;
+  __m512 q[G][NV], qs[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
+    for (int i = 0; i < NV; ++i) q[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
+  auto tail_block = [&](int64_t blk) {  // a partial last block kept in full precision
+    return pool.tail != nullptr && len - blk * bs < bs;
+  };
+  auto scale_query = [&](const float* scale, float unit) {
+    for (int i = 0; i < NV; ++i) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), _mm512_set1_ps(unit));
+      for (int g = 0; g < G; ++g) qs[g][i] = _mm512_mul_ps(q[g][i], s);
+    }
+  };
+  if constexpr (KIND != kI4) {
+    if (!pool.key_per_block && KIND != kF32 && KIND != kF16 && KIND != kBF16) scale_query(pool.key_scales + h * dim, kFp8Unit<KIND>);
+  }
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t n = pool.tile(table, blk, len, tail_slot, h, tile);
+    const int64_t first = blk * bs, n = std::min(bs, len - first);
+    if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || tail_block(blk)) {
+      pool.tile(table, blk, len, tail_slot, h, tile);
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 k[NV];
+        for (int i = 0; i < NV; ++i) k[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
+        score_row<NV, G>(q, k, probs, len, first + t);
+      }
+      continue;
+    }
+    const int64_t block = table[blk];
+    float bias[G] = {};
+    if constexpr (KIND == kI4) {  // q·(step*code + min) = (q*step)·code + q·min
+      float step[dim], low[dim];
+      const c10::Half* affine = pool.key_affine + (block * kv_heads + h) * 2 * dim;
+      to_float(affine, step, dim);
+      to_float(affine + dim, low, dim);
+      scale_query(step, 1.f);
+      for (int g = 0; g < G; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int i = 0; i < NV; ++i) s = _mm512_fmadd_ps(q[g][i], _mm512_loadu_ps(low + 16 * i), s);
+        bias[g] = _mm512_reduce_add_ps(s);
+      }
+    } else if (pool.key_per_block) {
+      scale_query(pool.key_scales + (block * kv_heads + h) * dim, 1.f);
+    }
+    const uint8_t* rows = pool.data + block * pool.block_bytes() + h * bs * rb;
     for (int64_t t = 0; t < n; ++t) {
       __m512 k[NV];
-      for (int i = 0; i < NV; ++i) k[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
-      score_row<NV, G>(reg, k, probs, len, blk * bs + t);
+      load_codes<KIND, NV>(rows + t * rb, k);
+      score_row<NV, G>(qs, k, probs, len, first + t);
+      if constexpr (KIND == kI4)
+        for (int g = 0; g < G; ++g) probs[g * len + first + t] += bias[g];
     }
   }
   softmax_rows(probs, G, len);
+  __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t n = pool.tile(table, blk, len, tail_slot, pool.kv_heads + h, tile);
+    const int64_t first = blk * bs, n = std::min(bs, len - first);
+    if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || tail_block(blk)) {
+      pool.tile(table, blk, len, tail_slot, kv_heads + h, tile);
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 v[NV];
+        for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
+        accumulate_row<NV, G>(a, v, probs, len, first + t);
+      }
+      continue;
+    }
+    const int64_t block = table[blk];
+    const uint8_t* rows = pool.data + block * pool.block_bytes() + (kv_heads + h) * bs * rb;
     for (int64_t t = 0; t < n; ++t) {
       __m512 v[NV];
-      for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
-      accumulate_row<NV, G>(reg, v, probs, len, blk * bs + t);
+      load_codes<KIND, NV>(rows + t * rb, v);
+      if constexpr (KIND == kI4) {  // per group of 32 channels: p*(step*code + min)
+        const c10::Half* affine = pool.value_affine + ((block * kv_heads + h) * bs + t) * pool.groups * 2;
+        const int64_t width = NV / pool.groups;  // vectors per group
+        for (int g = 0; g < G; ++g) {
+          const float p = probs[g * len + first + t];
+          for (int i = 0; i < NV; ++i) {
+            const int64_t j = i / width;
+            const float step = static_cast<float>(affine[2 * j]), low = static_cast<float>(affine[2 * j + 1]);
+            a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(p * step), v[i], _mm512_add_ps(a[g][i], _mm512_set1_ps(p * low)));
+          }
+        }
+      } else {
+        const float vs = (pool.value_scales == nullptr ? pool.v_scale
+                          : pool.value_scales[(block * kv_heads + h) * bs + t]) * kFp8Unit<KIND>;
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(probs[g * len + first + t] * vs);
+          for (int i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(p, v[i], a[g][i]);
+        }
+      }
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * dim + 16 * i, reg[g][i]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * dim + 16 * i, a[g][i]);
 }
 
 using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_t, int64_t, int64_t, float*, float*,
                           float*);
 
-template <int NV>
+template <int KIND, int NV>
 static QuantJob pick_quant_group(int64_t group) {
   switch (group) {
-    case 1: return decode_quant_avx512<NV, 1>;
-    case 2: return decode_quant_avx512<NV, 2>;
-    case 3: return decode_quant_avx512<NV, 3>;
-    case 4: return decode_quant_avx512<NV, 4>;
-    case 6: return decode_quant_avx512<NV, 6>;
-    case 8: return decode_quant_avx512<NV, 8>;
+    case 1: return decode_quant_avx512<KIND, NV, 1>;
+    case 2: return decode_quant_avx512<KIND, NV, 2>;
+    case 3: return decode_quant_avx512<KIND, NV, 3>;
+    case 4: return decode_quant_avx512<KIND, NV, 4>;
+    case 6: return decode_quant_avx512<KIND, NV, 6>;
+    case 8: return decode_quant_avx512<KIND, NV, 8>;
     default: return nullptr;
+  }
+}
+
+template <int NV>
+static QuantJob pick_quant_kind(int64_t kind, int64_t group) {
+  switch (kind) {
+    case kI8: return pick_quant_group<kI8, NV>(group);
+    case kI4: return pick_quant_group<kI4, NV>(group);
+    case kE4M3: return pick_quant_group<kE4M3, NV>(group);
+    case kE5M2: return pick_quant_group<kE5M2, NV>(group);
+    default: return pick_quant_group<kF32, NV>(group);  // any float kind: through float tiles
   }
 }
 #endif
@@ -852,7 +968,8 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (query_len == 1) {
 #if defined(__AVX512F__)
-        const QuantJob job_fn = dim == 64 ? pick_quant_group<4>(group) : dim == 128 ? pick_quant_group<8>(group) : nullptr;
+        const QuantJob job_fn = dim == 64 ? pick_quant_kind<4>(kind, group)
+                                : dim == 128 ? pick_quant_kind<8>(kind, group) : nullptr;
 #endif
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                       out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
