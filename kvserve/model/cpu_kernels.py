@@ -55,9 +55,10 @@ def cpu_kernels() -> Any | None:
 
         source = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
         logger.info("loading the C++ CPU ops (compiled once, then cached)")
-        # the source's hash in the name: a changed source builds beside, never over, a library
-        # another running process has loaded
-        source_hash = hashlib.sha256(source.read_bytes()).hexdigest()[:8]
+        # the source's path and content in the name: a changed source or another checkout builds
+        # beside, never over, a library another running process has loaded (and two checkouts do
+        # not rebuild each other's)
+        source_hash = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:8]
         module = load(
             name=f"kvserve_cpu_ops_{_cpu_fingerprint()}_{source_hash}",
             sources=[str(source)],
