@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,3 +52,28 @@ def test_bad_shapes_are_refused() -> None:
         cpu_op("silu_and_mul")(torch.randn(4, 10).t())
     with pytest.raises(RuntimeError, match="delta must match"):
         cpu_op("add_rms_norm")(torch.randn(4, 8), torch.randn(4, 9), torch.ones(8), 1e-5)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept() -> None:
+    """torch would wait forever on the lock of a build that was killed; kvserve removes it."""
+    import os
+    import shutil
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from kvserve.model.cpu_kernels import STALE_LOCK_S, _remove_stale_build_lock
+
+    name = "kvserve_test_stale_lock"
+    build = Path(_get_build_directory(name, verbose=False))
+    lock = build / "lock"
+    try:
+        lock.touch()
+        _remove_stale_build_lock(name)
+        assert lock.exists()  # a build may be running
+        old = time.time() - STALE_LOCK_S - 5
+        os.utime(lock, (old, old))
+        _remove_stale_build_lock(name)
+        assert not lock.exists()
+    finally:
+        shutil.rmtree(build, ignore_errors=True)

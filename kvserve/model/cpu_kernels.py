@@ -12,11 +12,13 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("kvserve")
 _MODULE: Any = None
+STALE_LOCK_S = 600
 _TRIED = False
 
 
@@ -42,6 +44,20 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+def _remove_stale_build_lock(name: str) -> None:
+    """torch waits forever on a build lock left by a process killed mid-compile; a build takes
+    about a minute, so a lock older than STALE_LOCK_S is removed (with a warning)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale C++ build lock %s (left by an interrupted build)", lock)
+            lock.unlink()
+    except (ImportError, OSError):  # a private torch helper: never let it stop the engine
+        pass
+
+
 def cpu_kernels() -> Any | None:
     """The compiled extension module (built on first call), or None where it cannot be built."""
     global _MODULE, _TRIED
@@ -59,8 +75,10 @@ def cpu_kernels() -> Any | None:
         # beside, never over, a library another running process has loaded (and two checkouts do
         # not rebuild each other's)
         source_hash = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:8]
+        name = f"kvserve_cpu_ops_{_cpu_fingerprint()}_{source_hash}"
+        _remove_stale_build_lock(name)
         module = load(
-            name=f"kvserve_cpu_ops_{_cpu_fingerprint()}_{source_hash}",
+            name=name,
             sources=[str(source)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
