@@ -22,14 +22,12 @@ import torch
 
 from kvserve.cache.kv_cache_manager import cdiv
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import KV_KEY_SCALES, ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.quant.data import read_samples, tokenize
-
-KEY_SCALE_MODES = ("static", "block", "global")
 
 
 class Variant(NamedTuple):
@@ -60,8 +58,8 @@ def parse_variants(text: str) -> list[Variant]:
         if not part:
             continue
         dtype, _, mode = part.partition(":")
-        if mode and mode not in KEY_SCALE_MODES:
-            raise ConfigError(f"--kv-cache-dtype {part!r}: key scales must be one of {', '.join(KEY_SCALE_MODES)}")
+        if mode and mode not in KV_KEY_SCALES:
+            raise ConfigError(f"--kv-cache-dtype {part!r}: key scales must be one of {', '.join(KV_KEY_SCALES)}")
         variants.append(Variant(part, dtype, mode or "auto"))
     if not variants:
         raise ConfigError("--kv-cache-dtype names no variant")
