@@ -155,10 +155,14 @@ def test_plan_agrees_with_the_engine_for_every_kv_dtype(kv_dtype: str, key_scale
                   context=1000, weight_dtype="fp32")  # the engine's model dtype: the tail block's dtype
     assert report.kv_bytes_per_token == engine.kv_bytes_per_token
     assert report.kv_bytes_per_sequence == -(-1000 // block_size) * engine.kv_block_bytes + engine.kv_tail_bytes
-    budget = int(engine.config.kv_cache_memory) - 8 * engine.kv_tail_bytes  # tails reserved per max_num_seqs
+    memory = int(engine.config.kv_cache_memory)
+    if engine.kv_tail_bytes:  # one tail per max_num_seqs, within a tenth of the budget
+        assert engine.num_tail_slots == min(8, memory // 10 // engine.kv_tail_bytes) >= 1
+        assert engine.scheduler.max_num_seqs == engine.num_tail_slots
+    budget = memory - engine.num_tail_slots * engine.kv_tail_bytes
     assert kv_blocks_for_budget(spec, kv_dtype, block_size, budget, key_scales) == engine.num_blocks
     assert engine.kv_cache.nbytes == engine.num_blocks * engine.kv_block_bytes
-    assert engine.kv_cache.tail_nbytes == 8 * engine.kv_tail_bytes
+    assert engine.kv_cache.tail_nbytes == engine.num_tail_slots * engine.kv_tail_bytes
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

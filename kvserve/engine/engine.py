@@ -35,6 +35,7 @@ logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+TAIL_SHARE = 0.1  # most of the KV budget that int4's / per-block int8's tail blocks may take
 CLIP_WARN_RATIO = 0.001  # drift watch: warn once when more than this share of K/V is clipped
 
 
@@ -113,16 +114,18 @@ class LLMEngine:
         # pools that keep a full-precision tail block per running sequence reserve one per max_num_seqs
         self.kv_tail_bytes = sum(kv_sequence_extra_bytes(layout, 1, kind, config.block_size, model_kind, key_scales)
                                  for kind in kinds)
+        self.num_tail_slots = 0  # set by _size_pool for formats with tail blocks
         self.num_blocks = self._size_pool()
-        num_tail_slots = config.max_num_seqs if self.kv_tail_bytes else 0
+        num_tail_slots = self.num_tail_slots
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
             model_config.head_dim, self.dtype, self.device, self.kv_quant, num_tail_slots)
         self._clip_warned = False
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_tail_slots)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+        # with tail blocks, each running sequence holds one: their number caps the batch
+        self.scheduler = Scheduler(self.kv_manager, num_tail_slots or config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -186,10 +189,18 @@ class LLMEngine:
                       f"- weights {format_bytes(self.weight_bytes)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
-        tails = cfg.max_num_seqs * self.kv_tail_bytes
-        if tails:
+        if self.kv_tail_bytes:
+            # one full-precision tail block per running sequence, for up to max_num_seqs sequences
+            # but at most TAIL_SHARE of the budget: each running sequence holds one, so this caps
+            # the running batch (logged), instead of a small pool giving most of itself to tails
+            self.num_tail_slots = min(cfg.max_num_seqs, max(1, int(budget * TAIL_SHARE) // self.kv_tail_bytes))
+            tails = self.num_tail_slots * self.kv_tail_bytes
             budget -= tails
-            source += f" - full-precision tail blocks {format_bytes(tails)} for {cfg.max_num_seqs} sequences"
+            source += f" - full-precision tail blocks {format_bytes(tails)} for {self.num_tail_slots} sequences"
+            if self.num_tail_slots < cfg.max_num_seqs:
+                logger.warning("at most %d sequences run at once (not max_num_seqs=%d): their full-precision "
+                               "tail blocks may take %d%% of the KV budget", self.num_tail_slots, cfg.max_num_seqs,
+                               round(100 * TAIL_SHARE))
         num_blocks = num_blocks_for_budget(budget, block_bytes)
         if num_blocks < 2:
             raise ConfigError(
