@@ -23,12 +23,14 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.cache.kv_format import keeps_tail_block
 from kvserve.cache.kv_quant import (
     FLOAT_KINDS,
     QMAX,
     affine_params,
     channel_scales,
     dequantize,
+    float_kind,
     from_int4_codes,
     grouped,
     hadamard,
@@ -92,8 +94,8 @@ class LayerKV:
     @classmethod
     def float_pool(cls, data: torch.Tensor) -> LayerKV:
         """A plain float pool (no scales, no tail) over ``data``."""
-        kind = next(k for k, t in FLOAT_KINDS.items() if t == data.dtype)
-        return cls(kind, data, None, None, 1.0, None, torch.zeros((), dtype=torch.long, device=data.device))
+        return cls(float_kind(data.dtype), data, None, None, 1.0, None,
+                   torch.zeros((), dtype=torch.long, device=data.device))
 
     @property
     def direct(self) -> bool:
@@ -236,9 +238,10 @@ class KVQuantSpec(NamedTuple):
     def layer_kind(self, layer: int, model_kind: str) -> str:
         return model_kind if layer in self.skip_layers else self.kv_dtype
 
-    def uses_tail(self, kind: str) -> bool:
-        """int4, and int8 with per-block key scales, quantize a block only when it is full."""
-        return kind == "int4" or (kind == "int8" and self.key_scales is None)
+    @property
+    def key_scale_mode(self) -> str:
+        """kv_format's name for how int8 keys are scaled: one static table, or per block."""
+        return "static" if self.key_scales is not None else "block"
 
 
 class PagedKVCache:
@@ -250,7 +253,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_dtype = dtype
-        model_kind = next(k for k, t in FLOAT_KINDS.items() if t == dtype)
+        model_kind = float_kind(dtype)
         quant = quant or KVQuantSpec(model_kind)
         self.layers: list[LayerKV] = []
         for layer in range(num_layers):
@@ -279,7 +282,7 @@ class PagedKVCache:
                 key_scales = torch.full((num_kv_heads, head_dim), k_scale, dtype=torch.float32, device=device)
                 if head_dim & (head_dim - 1) == 0:
                     rotation = hadamard(head_dim).to(device)
-            if kind not in FLOAT_KINDS and quant.uses_tail(kind):
+            if keeps_tail_block(kind, quant.key_scale_mode):
                 tail = torch.zeros((num_tail_slots, block_size, 2 * num_kv_heads, head_dim), dtype=dtype,
                                    device=device)
             self.layers.append(LayerKV(kind, data, key_scales, value_scales, v_scale, tail,

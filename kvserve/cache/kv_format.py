@@ -95,11 +95,17 @@ def kv_block_bytes(layout: KVLayout, num_layers: int, kv_dtype: str, block_size:
     return num_layers * per_layer
 
 
+def keeps_tail_block(kv_dtype: str, key_scales: str = "static") -> bool:
+    """int4 (always) and int8 with per-block key scales need a block's keys complete before they
+    can scale them, so each running sequence's not-yet-full block stays in full precision."""
+    return kv_dtype == "int4" or (kv_dtype == "int8" and key_scales == "block")
+
+
 def kv_sequence_extra_bytes(layout: KVLayout, num_layers: int, kv_dtype: str, block_size: int,
                             full_dtype: str, key_scales: str = "static") -> int:
     """Per running sequence, beyond its blocks: the not-yet-full tail block kept in ``full_dtype``
-    by int4 (always) and by int8 with per-block key scales (a block's scales need all its keys)."""
-    if kv_dtype != "int4" and not (kv_dtype == "int8" and key_scales == "block"):
+    (see keeps_tail_block)."""
+    if not keeps_tail_block(kv_dtype, key_scales):
         return 0
     return kv_block_bytes(layout, num_layers, full_dtype, block_size)
 

@@ -33,6 +33,11 @@ class Quantized(NamedTuple):
     clipped: torch.Tensor  # int64 scalar: elements beyond a static scale's range (clipped)
 
 
+def float_kind(dtype: torch.dtype) -> str:
+    """The short name (fp32, fp16, bf16) of a float torch dtype."""
+    return next(kind for kind, t in FLOAT_KINDS.items() if t == dtype)
+
+
 def row_bytes(kind: str, head_dim: int) -> int:
     """Bytes one head's row of ``head_dim`` elements takes."""
     if kind in FLOAT_KINDS:

@@ -20,7 +20,7 @@ from kvserve.cache.kv_format import (
     normalize_kv_dtype,
     num_blocks_for_budget,
 )
-from kvserve.cache.kv_quant import FP8_TYPES, QMAX
+from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
@@ -106,8 +106,8 @@ class LLMEngine:
         self.kv_cache_dtype = self.kv_quant.kv_dtype
         # the same formulas the planner uses (kvserve.cache.kv_format), so the two agree
         layout = KVLayout.standard(model_config.num_kv_heads, model_config.head_dim)
-        model_kind = normalize_kv_dtype("auto", str(self.dtype).removeprefix("torch."))
-        key_scales = "static" if self.kv_quant.key_scales is not None else "block"
+        model_kind = float_kind(self.dtype)
+        key_scales = self.kv_quant.key_scale_mode
         kinds = [self.kv_quant.layer_kind(i, model_kind) for i in range(model_config.num_layers)]
         self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, config.block_size, key_scales) for kind in kinds)
         self.kv_bytes_per_token = self.kv_block_bytes // config.block_size
@@ -145,7 +145,7 @@ class LLMEngine:
     def _kv_quant_spec(self) -> KVQuantSpec:
         """The KV format from kv_cache_dtype, kv_scales and kv_cache_dtype_skip_layers."""
         cfg, mcfg = self.config, self.model_config
-        kv_dtype = normalize_kv_dtype(cfg.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
+        kv_dtype = normalize_kv_dtype(cfg.kv_cache_dtype, float_kind(self.dtype))
         bad = [i for i in cfg.kv_cache_dtype_skip_layers if i >= mcfg.num_layers]
         if bad:
             raise ConfigError(f"kv_cache_dtype_skip_layers: layer {bad[0]} does not exist "

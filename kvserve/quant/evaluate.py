@@ -140,7 +140,7 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
     results = []
     for v, engine, t, secs in zip(variants, engines, totals, seconds, strict=True):
         ppl = math.exp(t.nll / t.count)
-        mode = "static" if engine.kv_quant.key_scales is not None else "block"
+        mode = engine.kv_quant.key_scale_mode
         if v.key_scales == "global":
             mode = "global"
         if engine.kv_cache_dtype not in ("int8", "int4"):
