@@ -15,7 +15,7 @@ from kvserve.cache.kv_cache import LayerKV
 from kvserve.config import ConfigError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.llm import LLM
-from kvserve.quant.data import read_samples, tokenize
+from kvserve.quant.data import read_samples, token_stream, tokenize
 from kvserve.quant.scales import KVScales, length_summary
 
 logger = logging.getLogger("kvserve")
@@ -79,12 +79,8 @@ def load_tokens(llm: LLM, source: str, num_samples: int, max_length: int, pack: 
     if not pack:
         token_lists = tokenize(samples[:num_samples], llm.engine.encode, llm.apply_chat_template)
         return [t[:max_length] for t in token_lists if t]
-    stream: list[int] = []
-    for ids in tokenize(samples, llm.engine.encode, llm.apply_chat_template):
-        stream += ids
-        if len(stream) >= num_samples * max_length:
-            break
-    return [stream[i : i + max_length] for i in range(0, min(len(stream), num_samples * max_length), max_length)]
+    stream = token_stream(samples, llm.engine.encode, llm.apply_chat_template, num_samples * max_length)
+    return [stream[i : i + max_length] for i in range(0, len(stream), max_length)]
 
 
 def calibrate(llm: LLM, source: str, num_samples: int, max_length: int, progress: bool = True,

@@ -75,7 +75,21 @@ def read_samples(source: str) -> list[Sample]:
     return [part.strip() for part in path.read_text().split("\n\n") if part.strip()]
 
 
-def tokenize(samples: list[Sample], encode: Callable[[str], list[int]],
-             chat: Callable[[list[dict[str, Any]]], list[int]]) -> list[list[int]]:
+Encode = Callable[[str], list[int]]
+Chat = Callable[[list[dict[str, Any]]], list[int]]
+
+
+def tokenize(samples: list[Sample], encode: Encode, chat: Chat) -> list[list[int]]:
     """Token ids of each sample: texts encoded, messages through the model's chat template."""
     return [chat(s) if isinstance(s, list) else encode(s) for s in samples]
+
+
+def token_stream(samples: list[Sample], encode: Encode, chat: Chat, limit: int) -> list[int]:
+    """The samples' tokens one after another, the first ``limit`` of them (samples past the
+    limit are not tokenized)."""
+    stream: list[int] = []
+    for sample in samples:
+        stream += chat(sample) if isinstance(sample, list) else encode(sample)
+        if len(stream) >= limit:
+            break
+    return stream[:limit]

@@ -27,7 +27,7 @@ from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk
-from kvserve.quant.data import read_samples, tokenize
+from kvserve.quant.data import read_samples, token_stream
 
 
 class Variant(NamedTuple):
@@ -221,12 +221,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     def chat(messages: list[dict[str, Any]]) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, tokenize=True))
 
-    tokens: list[int] = []
-    for ids in tokenize(read_samples(args.data), lambda text: list(tokenizer.encode(text)), chat):
-        tokens += ids
-        if len(tokens) >= args.num_tokens:
-            break
-    tokens = tokens[: args.num_tokens]
+    tokens = token_stream(read_samples(args.data), lambda text: list(tokenizer.encode(text)), chat, args.num_tokens)
     if len(tokens) < args.num_tokens:
         raise ConfigError(f"--data {args.data!r} holds {len(tokens)} tokens, fewer than --num-tokens "
                           f"{args.num_tokens}")
