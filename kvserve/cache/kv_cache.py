@@ -86,7 +86,7 @@ class LayerKV:
     value_scales: torch.Tensor | None
     v_scale: float  # fp8's static value scale
     tail: torch.Tensor | None  # [slots, block_size, 2 * kv_heads, dim] in the model dtype
-    clipped: torch.Tensor  # int64: elements clipped by static scales so far
+    clipped: torch.Tensor  # int64: elements clipped by static scales so far (added to in place)
     value_scale_override: float | None = None  # one fixed value scale (the "global scale" mistake)
     checked: int = 0  # elements that passed through static scales
     key_rotation: torch.Tensor | None = None  # [dim, dim] orthonormal: keys stored as k @ R (q too)
@@ -255,6 +255,8 @@ class PagedKVCache:
         self.model_dtype = dtype
         model_kind = float_kind(dtype)
         quant = quant or KVQuantSpec(model_kind)
+        # one clip counter for every layer (each adds to it in place): reading it is one sync
+        self.clipped = torch.zeros((), dtype=torch.long, device=device)
         self.layers: list[LayerKV] = []
         for layer in range(num_layers):
             kind = quant.layer_kind(layer, model_kind)
@@ -285,8 +287,7 @@ class PagedKVCache:
             if keeps_tail_block(kind, quant.key_scale_mode):
                 tail = torch.zeros((num_tail_slots, block_size, 2 * num_kv_heads, head_dim), dtype=dtype,
                                    device=device)
-            self.layers.append(LayerKV(kind, data, key_scales, value_scales, v_scale, tail,
-                                       torch.zeros((), dtype=torch.long, device=device),
+            self.layers.append(LayerKV(kind, data, key_scales, value_scales, v_scale, tail, self.clipped,
                                        quant.value_scale_override if kind == "int8" else None,
                                        key_rotation=rotation))
         self.zeroed_up_to = -1
@@ -320,8 +321,10 @@ class PagedKVCache:
             self.zeroed_up_to = max_block_id
 
     def clip_stats(self) -> tuple[int, int]:
-        """(elements clipped by static scales, elements checked) over all layers so far."""
-        return (sum(int(layer.clipped) for layer in self.layers), sum(layer.checked for layer in self.layers))
+        """(elements clipped by static scales, elements checked) over all layers so far; the
+        counter is only read when some layer checks (static scales), so float pools never sync."""
+        checked = sum(layer.checked for layer in self.layers)
+        return (int(self.clipped) if checked else 0), checked
 
     @property
     def nbytes(self) -> int:
