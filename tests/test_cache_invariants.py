@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvserve.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.cache.kv_cache_manager import KVCacheManager, TokenReader, cdiv
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
@@ -17,21 +17,29 @@ from kvserve.engine.scheduler import Scheduler
 
 def check_manager(kv: KVCacheManager) -> None:
     owners = Counter(b.block_id for table in kv.block_tables.values() for b in table)
-    assert all(n == 1 for n in owners.values()), "a block is owned twice"
     assert 0 not in owners, "the null block was handed out"
     assert all(b.ref_cnt >= 0 for b in kv.pool.blocks)
     free_ids = {b.block_id for b in kv.pool.free_queue}
     assert len(free_ids) == kv.pool.num_free_blocks
     assert not free_ids & set(owners)
     assert len(free_ids) + len(owners) == kv.pool.num_usable_blocks
+    held: dict[int, int] = {}  # physical: tokens each distinct block holds
     for rid, table in kv.block_tables.items():
         assert len(table) == cdiv(kv.num_tokens[rid], kv.block_size)
-        assert all(b.ref_cnt == 1 for b in table)
+        for i, block in enumerate(table):
+            assert block.ref_cnt == owners[block.block_id], "ref count != number of tables holding it"
+            if block.ref_cnt > 1:
+                assert block.block_hash is not None, "only published blocks are shared"
+            filled = min(kv.block_size, kv.num_tokens[rid] - i * kv.block_size)
+            held[block.block_id] = max(held.get(block.block_id, 0), filled)
     stats = kv.stats()
     assert stats.blocks_used == len(owners)
-    assert stats.live_tokens == sum(kv.num_tokens.values())
+    assert stats.logical_tokens == sum(kv.num_tokens.values())
+    assert stats.live_tokens == sum(held.values())
     assert stats.allocated_slots == len(owners) * kv.block_size
-    assert 0 <= stats.tail_waste < max(1, len(kv.block_tables)) * kv.block_size or not kv.block_tables
+    assert stats.utilization <= 1.0 and stats.tail_waste >= 0
+    assert stats.tail_waste < max(1, len(kv.block_tables)) * kv.block_size or not kv.block_tables
+    assert stats.sharing_factor >= 1.0
 
 
 ops = st.lists(
@@ -39,16 +47,26 @@ ops = st.lists(
 )
 
 
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 40))
-@settings(max_examples=150, deadline=None)
-def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, num_blocks: int) -> None:
-    kv = KVCacheManager(num_blocks, block_size)
+def shared_tokens(request_id: str) -> TokenReader:
+    """Token ids with long common prefixes across requests (every third request differs), so
+    prefix caching shares blocks."""
+    offset = 1000 if int(request_id[1:]) % 3 == 0 else 0
+    return lambda start, end: [offset + i // 5 for i in range(start, end)]
+
+
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 40), caching=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, num_blocks: int,
+                            caching: bool) -> None:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     for op, rid, n in ops:
         request_id = f"r{rid}"
+        tokens = shared_tokens(request_id)
         if op == "grow":
             before = kv.pool.num_free_blocks
             target = kv.num_tokens.get(request_id, 0) + n
-            ok = kv.allocate_slots(request_id, target)
+            cached = [] if request_id in kv.block_tables else kv.find_cached_prefix(request_id, target, tokens)
+            ok = kv.allocate_slots(request_id, target, tokens, cached)
             if not ok:
                 assert kv.pool.num_free_blocks == before  # a failed allocation takes nothing
             else:
@@ -60,6 +78,25 @@ def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, nu
         kv.free(rid)
     check_manager(kv)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and kv.stats().live_tokens == 0
+    assert kv.pool.num_shared_refs == 0
+
+
+def test_shared_prefix_counts_once() -> None:
+    """Two requests on one cached prefix block: the block is stored once, so utilization stays
+    <= 1 (on a16fa74 the shared block counted twice: 64 live tokens in 48 slots, 133%)."""
+    kv = KVCacheManager(8, 16, enable_prefix_caching=True)
+    tokens = shared_tokens("r1")
+    assert kv.allocate_slots("r1", 32, tokens)
+    cached = kv.find_cached_prefix("r2", 32, tokens)
+    assert len(cached) == 1
+    assert kv.allocate_slots("r2", 32, tokens, cached)
+    stats = kv.stats()
+    assert (stats.blocks_used, stats.allocated_slots) == (3, 48)
+    assert (stats.live_tokens, stats.logical_tokens) == (48, 64)
+    assert stats.utilization == 1.0 and stats.tail_waste == 0
+    assert stats.sharing_factor == pytest.approx(64 / 48)
+    kv.record_step()
+    assert kv.stats().utilization_at_peak == 1.0
 
 
 def test_free_queue_is_o1_linked_list() -> None:
@@ -95,7 +132,7 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
     """Drive the real scheduler and manager with bookkeeping in place of the model: random
     arrivals and aborts; every request ends with exactly its tokens, blocks never leak."""
     specs, block_size, num_blocks, max_seqs, budget = workload
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     sched = Scheduler(kv, max_seqs, budget)
     max_len = (num_blocks - 1) * block_size
     pending = list(enumerate(specs))
@@ -107,7 +144,8 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
         assert steps < 20000, "no progress"
         while pending and (not sched.has_unfinished() or rnd.random() < 0.3):
             i, (prompt_len, max_tokens, _) = pending.pop(0)
-            r = Request(f"r{i}", [i] * min(prompt_len, max_len), SamplingParams(max_tokens=max_tokens), i)
+            # prompts of three kinds, so that requests share cached prefix blocks
+            r = Request(f"r{i}", [i % 3] * min(prompt_len, max_len), SamplingParams(max_tokens=max_tokens), i)
             requests.append(r)
             sched.add(r)
         if sched.running and rnd.random() < 0.05:
@@ -122,6 +160,8 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
             # every token about to be computed has a slot of its own
             slots = kv.slot_mapping(r.request_id, r.num_computed_tokens, r.num_computed_tokens + c.num_tokens)
             assert len(set(slots)) == len(slots) and min(slots) >= block_size
+            # ...in a block no other request holds (shared prefix blocks are never written)
+            assert all(kv.pool.blocks[slot // block_size].ref_cnt == 1 for slot in slots)
         for c in chunks:
             done = c.completes_sequence
             c.request.num_computed_tokens += c.num_tokens

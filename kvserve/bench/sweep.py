@@ -111,7 +111,9 @@ def diagnose(levels: list[dict[str, Any]], knee: Knee) -> str:
     allocated, waste = snap["allocated_slots"], snap["tail_waste_slots"]
     share = (f"at {levels[index]['level']:g}: {100 * snap['usage']:.0f}% of {snap['num_blocks']} blocks held, "
              f"{snap['live_tokens']} live tokens in {allocated} allocated slots, tail waste {waste} slots "
-             f"({100 * waste / max(1, allocated):.1f}%), {snap['blocks_cached']} blocks with cached prefixes")
+             f"({100 * waste / max(1, allocated):.1f}%), {snap['blocks_cached']} blocks with cached prefixes"
+             + (f", prefix sharing x{snap['sharing_factor']:.2f} ({snap['logical_tokens']} logical tokens)"
+                if snap.get("sharing_factor", 1.0) > 1.0 else ""))
     if snap["usage"] < 0.9:
         return f"the KV pool was not the limit ({share})"
     if waste > 0.1 * allocated:

@@ -95,6 +95,7 @@ class BlockPool:
 
     Invariants: ref_cnt >= 0; a block with ref_cnt > 0 is not in the free queue;
     num_free_blocks + blocks in use == num_blocks - 1 (the null block is in neither);
+    num_shared_refs == sum(ref_cnt - 1) over blocks in use;
     cached_blocks[h].block_hash == h, and a block with a hash is in cached_blocks.
     """
 
@@ -108,6 +109,9 @@ class BlockPool:
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        # references beyond the first on blocks in use: each is a full, shared prefix block that
+        # several tables count, so physical tokens = logical tokens - block_size * this
+        self.num_shared_refs = 0
         # Never-used blocks leave the queue in id order (freed ones go to the back), so every
         # block with an id above this has never held data.
         self.max_block_id_used = 0
@@ -150,6 +154,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt <= 0 or block is self.null_block:
                 raise ValueError(f"double free of {block}")
+            if block.ref_cnt > 1:
+                self.num_shared_refs -= 1
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
@@ -178,4 +184,6 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            else:
+                self.num_shared_refs += 1
             block.ref_cnt += 1

@@ -52,16 +52,21 @@ class PrefixCacheStats:
 
 @dataclass(slots=True)
 class KVCacheStats:
-    """A snapshot of the pool. Token figures count slots, not bytes."""
+    """A snapshot of the pool. Token figures count slots, not bytes.
+
+    Physical figures count each block once: ``live_tokens`` are the slots holding a token, so
+    ``utilization`` <= 1 and ``tail_waste`` >= 0 always. Logical figures count what requests
+    see: a prefix block shared by k requests is k blocks' worth of ``logical_tokens``."""
 
     block_size: int
     num_blocks: int  # usable blocks (the null block excluded)
     blocks_used: int
     blocks_free: int
     blocks_cached: int
-    live_tokens: int  # tokens whose K/V are stored for running requests
+    live_tokens: int  # physical: slots holding a token (a shared block counts once)
     allocated_slots: int  # blocks_used * block_size
     num_requests: int
+    logical_tokens: int = 0  # sum of every running request's tokens (a shared block counts per holder)
     num_preemptions: int = 0
     peak_blocks_used: int = 0
     peak_live_tokens: int = 0
@@ -72,6 +77,8 @@ class KVCacheStats:
     prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(enabled=False))
     kv_cache_dtype: str = ""  # set by the engine
     clip_ratio: float = 0.0  # elements clipped by static KV scales / elements checked (drift watch)
+    tail_slots_used: int = 0  # full-precision tail blocks held by running sequences (int4, per-block int8)
+    tail_slots_total: int = 0
 
     @property
     def usage(self) -> float:
@@ -80,22 +87,29 @@ class KVCacheStats:
 
     @property
     def utilization(self) -> float:
-        """live / allocated: how much of the memory handed out holds real tokens."""
+        """Physical live / allocated: how much of the memory handed out holds real tokens (<= 1)."""
         return self.live_tokens / self.allocated_slots if self.allocated_slots else 1.0
 
     @property
     def tail_waste(self) -> int:
-        """Allocated slots holding no token (the unused end of each last block)."""
+        """Allocated slots holding no token (the unused end of each last block); >= 0."""
         return self.allocated_slots - self.live_tokens
+
+    @property
+    def sharing_factor(self) -> float:
+        """Logical / physical tokens: how many times prefix sharing multiplies the pool (>= 1)."""
+        return self.logical_tokens / self.live_tokens if self.live_tokens else 1.0
 
     @property
     def peak_usage(self) -> float:
         return self.peak_blocks_used / self.num_blocks if self.num_blocks else 0.0
 
     def __str__(self) -> str:
+        tails = f", tail slots {self.tail_slots_used}" if self.tail_slots_used or self.tail_slots_total else ""
         return (
             f"KV cache: usage {100 * self.usage:.1f}% ({self.blocks_used}/{self.num_blocks} blocks used, "
-            f"{self.blocks_free} free, {self.blocks_cached} cached), live tokens {self.live_tokens}, "
+            f"{self.blocks_free} free, {self.blocks_cached} cached{tails}), live tokens {self.live_tokens} "
+            f"(logical {self.logical_tokens}, sharing x{self.sharing_factor:.2f}), "
             f"allocated slots {self.allocated_slots}, utilization {100 * self.utilization:.1f}%, "
             f"tail waste {self.tail_waste} slots | peak: usage {100 * self.peak_usage:.1f}% "
             f"({self.peak_blocks_used} blocks), live tokens {self.peak_live_tokens}, "
@@ -130,7 +144,7 @@ class KVCacheManager:
         self.tail_slots: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self._live_tokens = 0
+        self._logical_tokens = 0
         self.num_preemptions = 0
         self._peak_blocks = 0
         self._peak_live = 0
@@ -166,7 +180,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[KVCacheBlock] = []
-        for block_hash in self._hashes(request_id, tokens, (num_tokens - 1) // self.block_size):
+        num_blocks = (num_tokens - 1) // self.block_size
+        for block_hash in self._hashes(request_id, tokens, num_blocks)[:num_blocks]:
             block = self.pool.cached_block(block_hash)
             if block is None:
                 break
@@ -207,7 +222,7 @@ class KVCacheManager:
         previous = self.num_tokens.get(request_id, 0)
         if num_tokens > previous:
             self.num_tokens[request_id] = num_tokens
-            self._live_tokens += num_tokens - previous
+            self._logical_tokens += num_tokens - previous
         if self.enable_prefix_caching and tokens is not None:
             self._publish(request_id, num_tokens, tokens)
         return True
@@ -229,7 +244,7 @@ class KVCacheManager:
         """Return all of a request's blocks to the pool (finished, aborted or preempted). Its
         published blocks stay cached until evicted."""
         table = self.block_tables.pop(request_id, [])
-        self._live_tokens -= self.num_tokens.pop(request_id, 0)
+        self._logical_tokens -= self.num_tokens.pop(request_id, 0)
         self.num_published.pop(request_id, None)
         slot = self.tail_slots.pop(request_id, None)
         if slot is not None:
@@ -258,17 +273,24 @@ class KVCacheManager:
         table, size = self.block_tables[request_id], self.block_size
         return [table[pos // size].block_id * size + pos % size for pos in range(start, end)]
 
+    @property
+    def physical_tokens(self) -> int:
+        """Slots holding a token, each block once: a shared block is full and counted by every
+        holder in the logical sum, so its extra references come off."""
+        return self._logical_tokens - self.block_size * self.pool.num_shared_refs
+
     def record_step(self) -> None:
         """Update peak and mean figures; called once per engine step."""
         used = self.pool.num_used_blocks
         allocated = used * self.block_size
-        util = self._live_tokens / allocated if allocated else 1.0
+        live = self.physical_tokens
+        util = live / allocated if allocated else 1.0
         if used:
             self._util_sum += util
             self._util_samples += 1
         if used > self._peak_blocks:
             self._peak_blocks, self._util_at_peak = used, util
-        self._peak_live = max(self._peak_live, self._live_tokens)
+        self._peak_live = max(self._peak_live, live)
         self._peak_requests = max(self._peak_requests, len(self.block_tables))
 
     def stats(self) -> KVCacheStats:
@@ -279,9 +301,10 @@ class KVCacheManager:
             blocks_used=used,
             blocks_free=self.pool.num_free_blocks,
             blocks_cached=self.pool.num_cached_blocks,
-            live_tokens=self._live_tokens,
+            live_tokens=self.physical_tokens,
             allocated_slots=used * self.block_size,
             num_requests=len(self.block_tables),
+            logical_tokens=self._logical_tokens,
             num_preemptions=self.num_preemptions,
             peak_blocks_used=self._peak_blocks,
             peak_live_tokens=self._peak_live,
@@ -290,4 +313,6 @@ class KVCacheManager:
             mean_utilization=self._util_sum / self._util_samples if self._util_samples else 1.0,
             per_request_blocks={rid: len(t) for rid, t in self.block_tables.items()},
             prefix_cache=self.prefix_cache_stats(),
+            tail_slots_used=len(self.tail_slots),
+            tail_slots_total=self.num_tail_slots,
         )

@@ -28,12 +28,20 @@ class _PoolCollector:
         cache = stats.prefix_cache
         gauges = {
             "kv_cache_usage_perc": ("Fraction of KV blocks held by requests (0..1)", stats.usage),
-            "kv_cache_utilization": ("Live tokens / allocated token slots", stats.utilization),
+            "kv_cache_utilization": ("Slots holding a token / allocated token slots, each block once (0..1)",
+                                     stats.utilization),
             "kv_cache_tail_waste_slots": ("Allocated slots holding no token", stats.tail_waste),
+            "kv_cache_live_tokens": ("Physical: slots holding a token, a shared block counted once",
+                                     stats.live_tokens),
+            "kv_cache_logical_tokens": ("Logical: tokens of every running request, shared blocks counted "
+                                        "per holder", stats.logical_tokens),
+            "kv_cache_sharing_factor": ("Logical / physical tokens (prefix sharing, >= 1)", stats.sharing_factor),
+            "kv_cache_tail_slots_used": ("Full-precision tail blocks held by running sequences",
+                                         stats.tail_slots_used),
             "num_requests_running": ("Requests in the running batch", engine.num_running),
             "num_requests_waiting": ("Requests waiting for admission", engine.num_waiting),
             "avg_sequence_length": ("Mean tokens per running request",
-                                    stats.live_tokens / stats.num_requests if stats.num_requests else 0.0),
+                                    stats.logical_tokens / stats.num_requests if stats.num_requests else 0.0),
             "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens", cache.hit_rate),
             "prefix_cache_cached_blocks": ("Blocks holding a published prefix", cache.cached_blocks),
             "kv_cache_clip_ratio": ("Share of cached K/V values clipped by static (calibrated) quantization "
