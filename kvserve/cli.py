@@ -117,9 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-waiting must be positive, got {args.max_waiting}")
     _setup_logging()
     config = EngineConfig(model=args.model, **engine_kwargs(args))
-    serve(config, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                               max_waiting=args.max_waiting), args.host, args.port)
-    return 0
+    if args.max_logprobs < 0:
+        raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    return serve(config, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                                      max_waiting=args.max_waiting, max_logprobs=args.max_logprobs),
+                 args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     server.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     server.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
+    server.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs / top_logprobs a request may ask for (default: %(default)s)")
     add_engine_args(server)
     from kvserve.bench.cli import add_bench_args, cmd_bench
     from kvserve.quant.calibrate import add_calibrate_args, cmd_calibrate

@@ -138,24 +138,34 @@ def wait_healthy(base: str, seconds: float) -> None:
     raise TimeoutError(f"{base} did not come up in {seconds} s")
 
 
-@pytest.fixture(scope="module")
-def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
+def serve_in_thread(app: Any) -> tuple[str, Callable[[], None]]:
+    """Run an ASGI app under uvicorn on a free loopback port: (base URL, stop)."""
     import uvicorn
 
-    from kvserve.config import EngineConfig
-    from kvserve.server.app import ServerConfig
-    from kvserve.server.serve import build
-
-    config = EngineConfig(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
-    engine, app = build(config, ServerConfig(model_name=MODEL, api_key=KEY, max_waiting=64), loaded=smollm)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, seconds=10)
+
+    def stop() -> None:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+    return base, stop
+
+
+@pytest.fixture(scope="module")
+def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
+    from kvserve.config import EngineConfig
+    from kvserve.server.app import ServerConfig
+    from kvserve.server.serve import build
+
+    config = EngineConfig(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
+    engine, app = build(config, ServerConfig(model_name=MODEL, api_key=KEY, max_waiting=64), loaded=smollm)
+    base, stop = serve_in_thread(app)
     yield {"base": base, "engine": engine, "app": app,
            "client": openai.OpenAI(base_url=base + "/v1", api_key=KEY)}
-    uv.should_exit = True
-    thread.join(timeout=10)
+    stop()
     engine.shutdown()

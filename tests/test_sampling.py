@@ -10,7 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LoadedModel
-from kvserve.engine.sampling import _filter_logits, sample
+from kvserve.engine.sampling import TokenHistory, _filter_logits, process_logits, sample
 
 PROMPT = [3, 14, 15, 92, 65]
 
@@ -90,3 +90,57 @@ def test_stop_strings_on_real_model(smollm: LoadedModel) -> None:
     kept = llm.generate("The capital of France is",
                         SamplingParams(temperature=0, max_tokens=20, stop=".", include_stop_str_in_output=True))[0]
     assert kept.text == cut.text + "."
+
+
+def test_penalties_logit_bias_and_min_tokens_follow_vllm() -> None:
+    """Each processor changes exactly the logits it should, by exactly vLLM's rule."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    prompt, output = [0, 1], [2, 2, 3]
+    history = [TokenHistory(prompt, output, frozenset({4}))]
+
+    def run(**kwargs: object) -> list[float]:
+        return process_logits(logits, [SamplingParams(**kwargs)], history)[0].tolist()  # type: ignore[arg-type]
+
+    # repetition: every token seen in prompt or output; positive logits divided, negative multiplied
+    assert run(repetition_penalty=2.0) == [1.0, -2.0, 0.25, 1.5, 1.0]
+    # frequency: minus penalty x count in the output (the prompt does not count)
+    assert run(frequency_penalty=0.5) == [2.0, -1.0, -0.5, 2.5, 1.0]
+    # presence: minus penalty once per token present in the output
+    assert run(presence_penalty=0.5) == [2.0, -1.0, 0.0, 2.5, 1.0]
+    assert run(logit_bias={1: 10.0, 99: 5.0}) == [2.0, 9.0, 0.5, 3.0, 1.0]  # ids past the vocabulary: ignored
+    # min_tokens: the stop tokens are hidden until that many tokens were generated
+    assert run(min_tokens=4, max_tokens=8)[4] == float("-inf")
+    assert run(min_tokens=3, max_tokens=8)[4] == 1.0
+    assert run() == logits[0].tolist()
+    assert process_logits(logits, [SamplingParams()], history) is logits  # nobody asks: no copy
+
+
+def test_processors_steer_generation(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    forced = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                   logit_bias={7: 100.0}))[0].token_ids
+    assert forced == [7, 7, 7, 7]
+    # the bias applies to sampled rows too, and the logprobs stay those of the raw model
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=3, max_tokens=3, ignore_eos=True,
+                                                logit_bias={7: 100.0}, logprobs=0))[0]
+    assert out.token_ids == [7, 7, 7] and out.logprobs is not None and max(out.logprobs) < -1e-3
+    # a repetition penalty that large never picks a token it has seen (the vocabulary is big enough)
+    fresh = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                  repetition_penalty=1e6))[0].token_ids
+    assert len(set(fresh)) == len(fresh) and not set(fresh) & set(PROMPT)
+    assert fresh != greedy or len(set(greedy)) == len(greedy)
+    # min_tokens: the stop token the greedy run emits first is held back until then
+    stop = greedy[1]
+    stopped = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))[0]
+    assert stopped.token_ids[-1] == stop and len(stopped.token_ids) <= 2
+    held = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop],
+                                                 min_tokens=5))[0]
+    assert len(held.token_ids) >= 5 and stop not in held.token_ids[:5]
+
+
+def test_new_sampling_fields_are_validated() -> None:
+    for kwargs, match in [({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0.0}, "> 0"),
+                          ({"temperature": float("nan")}, "finite"), ({"min_tokens": 9, "max_tokens": 4}, "exceed"),
+                          ({"logit_bias": {3: 101.0}}, "logit_bias")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -132,6 +132,7 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
 
     # ------------------------------------------------------------------ start-up sizing
 
@@ -345,7 +346,10 @@ class LLMEngine:
         incremental = bool(params.stop) or request.stream
         if incremental:
             request.output_text = self._decode(request.output_token_ids)
-        if not params.ignore_eos and token in self.eos_token_ids:
+        may_stop = len(request.output_token_ids) >= params.min_tokens  # before that, stops are masked
+        if not may_stop:
+            pass
+        elif not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason, request.stop_reason = "stop", token

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, PagedKVCache, TailPlan
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.engine.sampling import SampleResult, sample
+from kvserve.engine.sampling import SampleResult, TokenHistory, sample
 from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.model.attention import (
     AttentionGroup,
@@ -39,6 +39,7 @@ class ModelRunner:
         self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype)
         # sees every layer's new K (after rotary) and V before they are cached (calibration)
         self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
+        self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
 
     def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
         """One attention call for chunks of equal query length."""
@@ -119,7 +120,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
         params = [c.request.params for c in sampled]
         generators = [c.request.generator for c in sampled]
-        return sampled, sample(logits, params, generators)
+        history = None
+        if any(p.logit_bias or p.penalized or p.min_tokens for p in params):
+            history = [TokenHistory(c.request.prompt_token_ids, c.request.output_token_ids,
+                                    c.request.params.stop_ids(self.eos_token_ids)) for c in sampled]
+        return sampled, sample(logits, params, generators, history)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:

@@ -1,6 +1,10 @@
 """Sampling parameters and the batched sampler.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
+Logits processing, in vLLM's order: ``logit_bias`` is added, ``min_tokens`` hides the stop
+tokens (EOS and stop_token_ids) until that many tokens were generated, then the penalties
+(repetition over prompt + output: positive logits divided, negative multiplied; frequency:
+minus penalty x count in the output; presence: minus penalty once a token is in the output).
+Greedy rows then take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded
 request draw its noise from its own generator: the same seed gives the same tokens
 whatever else is in the batch.
@@ -8,7 +12,9 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +34,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top-n
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,10 +58,70 @@ class SamplingParams:
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """Tokens that end this request: EOS (unless ignored) and stop_token_ids."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_token_ids)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class TokenHistory(NamedTuple):
+    """What a sampling row has seen: penalties and min_tokens read it."""
+
+    prompt: list[int]
+    output: list[int]
+    stop_ids: frozenset[int]  # tokens that end the request (EOS unless ignored, stop_token_ids)
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[TokenHistory]) -> torch.Tensor:
+    """logit_bias, min_tokens and the penalties (see the module doc); rows that ask for none are
+    left as they are, and the tensor is only copied when some row asks."""
+    rows = [i for i, p in enumerate(params)
+            if p.logit_bias or p.penalized or (p.min_tokens and len(history[i].output) < p.min_tokens)]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p, seen, row = params[i], history[i], logits[i]
+        if p.logit_bias:
+            biased = [t for t in p.logit_bias if t < vocab]
+            row[biased] += torch.tensor([p.logit_bias[t] for t in biased], dtype=row.dtype, device=row.device)
+        if p.min_tokens and len(seen.output) < p.min_tokens:
+            stops = [t for t in seen.stop_ids if t < vocab]
+            row[stops] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seen.prompt) | set(seen.output)), dtype=torch.long, device=row.device)
+            picked = row[ids]
+            row[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and seen.output:
+            counts = torch.bincount(torch.tensor(seen.output, device=row.device), minlength=vocab)[:vocab]
+            row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
 
 
 @dataclass(slots=True)
@@ -86,9 +157,15 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    history: list[TokenHistory] | None = None,
 ) -> SampleResult:
-    """logits [N, vocab] float32, one row per request that samples this step."""
+    """logits [N, vocab] float32, one row per request that samples this step; ``history`` (one
+    per row) is needed when a row uses penalties, logit_bias or min_tokens. Log-probabilities
+    are those of the raw model distribution (vLLM's default), before any processing."""
+    raw = logits
+    if history is not None:
+        logits = process_logits(logits, params, history)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -104,7 +181,7 @@ def sample(
     want = [p.logprobs is not None for p in params]
     if not any(want):
         return SampleResult(tokens.tolist(), None, None)
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = raw.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
     top: list[dict[int, float]] = []
     for i, p in enumerate(params):

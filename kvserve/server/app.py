@@ -1,9 +1,13 @@
 """OpenAI-compatible routes over an AsyncEngine: /v1/completions, /v1/chat/completions (both
-with SSE streaming), /v1/models, /v1/kv, /health, /metrics. Errors use OpenAI's shape
-{"error": {"message", "type", "param", "code"}}; a bad request never disturbs the others."""
+with SSE streaming), /v1/models, /tokenize, /detokenize, /v1/kv, /health, /metrics. Request
+bodies are the pydantic models of kvserve.server.protocol (so /openapi.json describes them).
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a bad field,
+naming it; 500 once the engine has failed (and /health answers 503). A bad request never
+disturbs the others."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -11,14 +15,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.engine.engine import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
 class APIError(Exception):
@@ -28,9 +34,11 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 @dataclass(slots=True)
@@ -39,43 +47,38 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
+    max_logprobs: int = 20  # vLLM's --max-logprobs
 
 
-def _number(body: dict[str, Any], name: str, default: Any, kind: type | tuple[type, ...]) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise APIError(400, f"{name} must be a number, got {value!r}", param=name)
-    return value
+_UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
-    """OpenAI request fields -> SamplingParams; every bad value is a 400 naming its field."""
-    if body.get("n", 1) != 1:
-        raise APIError(400, f"only n=1 is supported, got {body.get('n')!r}", param="n")
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _number(body, "max_tokens", 16, int)
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
-                                                           and all(isinstance(s, str) for s in stop))):
-        raise APIError(400, f"stop must be a string or a list of strings, got {stop!r}", param="stop")
-    logprobs: int | None = None
-    if chat and body.get("logprobs"):
-        logprobs = _number(body, "top_logprobs", 0, int)
-    elif not chat and body.get("logprobs") is not None:
-        logprobs = _number(body, "logprobs", 0, int)
-    try:
-        return SamplingParams(
-            temperature=float(_number(body, "temperature", 1.0, (int, float))),
-            top_p=float(_number(body, "top_p", 1.0, (int, float))), top_k=_number(body, "top_k", 0, int),
-            min_p=float(_number(body, "min_p", 0.0, (int, float))), seed=_number(body, "seed", None, int),
-            max_tokens=max_tokens, stop=stop, ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs)
-    except ValueError as exc:
-        message = str(exc)
-        param = next((p for p in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs")
-                      if message.startswith(p)), None)
-        raise APIError(400, message, param=param) from exc
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's first complaint as a 400 naming the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    # keep field names and list indices; drop "body" and pydantic's union-member tags
+    loc = [str(part) for part in first.get("loc", ()) if isinstance(part, int) or (
+        part.isidentifier() and part not in _UNION_TAGS)]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('msg')}")
+    if not loc and isinstance(first.get("input"), bytes):  # not sent as application/json
+        try:
+            json.loads(first["input"])
+        except ValueError as exc:
+            return APIError(400, f"request body is not valid JSON: {exc}")
+        return APIError(400, "request body must be a JSON object sent as Content-Type: application/json")
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unknown or unsupported field {param!r}", param=param)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param:
+        value = first.get("input")
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        message = f"{param}: {message} (got {shown})"
+    return APIError(400, message, param=param)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -83,94 +86,135 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.server_config = config  # read per request: limits can be adjusted at run time
     metrics = ServerMetrics(engine)
     engine.on_step = metrics.on_step
-    tokenizer = engine.engine.tokenizer
+    # The engine thread owns the engine's tokenizer (it detokenizes every step); handlers run on
+    # the event loop's thread and use a copy of their own: fast tokenizers are not thread-safe.
+    tokenizer = copy.deepcopy(engine.engine.tokenizer)
+    max_model_len = engine.engine.max_model_len
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(500, str(exc), kind="internal_server_error", code="engine_dead").response()
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        size = int(length) if length and length.isdigit() else len(await request.body())
+        if size > config.max_body_bytes:
+            return APIError(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}"
+                            ).response()
+        response: Response = await call_next(request)
+        return response
 
     def check_auth(request: Request) -> None:
         if config.api_key is not None and request.headers.get("authorization") != f"Bearer {config.api_key}":
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", kind="authentication_error",
                            code="invalid_api_key")
 
-    async def read_body(request: Request) -> dict[str, Any]:
-        check_auth(request)
-        raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {config.max_body_bytes}")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        model = body.get("model")
+    def check_model(model: str | None) -> None:
         if model is not None and model != config.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {config.model_name!r}",
                            param="model", code="model_not_found")
-        if engine.num_waiting >= config.max_waiting:
-            raise APIError(503, f"server busy: {engine.num_waiting} requests already waiting", kind="server_error",
-                           headers={"Retry-After": "1"})
-        return body
+
+    def engine_params(body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, chat: bool
+                      ) -> SamplingParams:
+        """Checks that need the prompt or the server's limits, then the engine's parameters."""
+        wanted = body.logprobs_wanted()
+        if wanted is not None and wanted > config.max_logprobs:
+            param = "top_logprobs" if chat else "logprobs"
+            raise APIError(400, f"{param}={wanted} is more than the server's max_logprobs={config.max_logprobs}",
+                           param=param)
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise APIError(400, f"prompt has {prompt_tokens} tokens, more than max_model_len={max_model_len} "
+                           f"leaves room for (at least one token must be generated)",
+                           param="messages" if chat else "prompt")
+        requested = body.requested_max_tokens()
+        param = body.max_tokens_field()
+        if requested is not None and requested > room:
+            raise APIError(400, f"{param}={requested} is more than the {room} tokens left after the prompt's "
+                           f"{prompt_tokens} tokens in max_model_len={max_model_len}", param=param)
+        # OpenAI's defaults: 16 for completions, as much as fits for chat
+        max_tokens = requested if requested is not None else (room if chat else min(16, room))
+        try:
+            return body.sampling_params(max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        error = engine.error
+        if error is not None:
+            return APIError(503, f"the engine failed: {error!r}", kind="internal_server_error",
+                            code="engine_dead").response()
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_auth(request)
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvserve", "max_model_len": engine.engine.max_model_len}]}
+                                            "owned_by": "kvserve", "max_model_len": max_model_len,
+                                            "max_logprobs": config.max_logprobs}]}
 
-    @app.get("/v1/kv")
-    async def kv(request: Request) -> dict[str, Any]:
-        check_auth(request)
+    @app.get("/v1/kv", dependencies=[Depends(check_auth)])
+    async def kv() -> dict[str, Any]:
         s = engine.kv_stats
         return {"block_size": s.block_size, "num_blocks": s.num_blocks, "blocks_used": s.blocks_used,
                 "blocks_free": s.blocks_free, "blocks_cached": s.blocks_cached, "usage": s.usage,
-                "live_tokens": s.live_tokens, "allocated_slots": s.allocated_slots, "utilization": s.utilization,
+                "live_tokens": s.live_tokens, "logical_tokens": s.logical_tokens, "sharing_factor": s.sharing_factor,
+                "allocated_slots": s.allocated_slots, "utilization": s.utilization,
+                "tail_slots_used": s.tail_slots_used, "tail_slots_total": s.tail_slots_total,
                 "tail_waste_slots": s.tail_waste, "num_requests": s.num_requests,
                 "blocks_evictable": s.prefix_cache.evictable_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache.hit_rate,
                 "prefix_cache_queries": s.prefix_cache.queries, "prefix_cache_hits": s.prefix_cache.hits,
                 "per_request_blocks": s.per_request_blocks}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await read_body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt is empty", param="prompt")
-            token_ids = _encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise APIError(400, "prompt must be a non-empty string or list of token ids (one prompt)", param="prompt")
-        return await _serve(request, body, token_ids, sampling_params(body, chat=False), chat=False)
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    async def completions(body: CompletionRequest) -> Response:
+        check_model(body.model)
+        prompt = body.prompt
+        # after validation: one text or one list of token ids
+        token_ids = _encode(prompt) if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)]
+        return await _serve(body, token_ids, engine_params(body, len(token_ids), chat=False), chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await read_body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise APIError(400, "each message needs a string role and string content", param="messages")
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        check_model(body.model)
+        token_ids = _chat_tokens(body.chat(), body.add_generation_prompt)
+        return await _serve(body, token_ids, engine_params(body, len(token_ids), chat=True), chat=True)
+
+    @app.post("/tokenize", dependencies=[Depends(check_auth)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if body.messages is not None:
+            tokens = _chat_tokens([m.model_dump(exclude_none=True) | {"content": m.content or ""}
+                                   for m in body.messages], body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            tokens = _encode(body.prompt, body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=[Depends(check_auth)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer or chat template")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await _serve(request, body, _encode(text), sampling_params(body, chat=True), chat=True)
+            raise APIError(400, "this model has no tokenizer")
+        return {"prompt": str(tokenizer.decode(body.tokens))}
 
     def _piece(token: int) -> str:
         return str(tokenizer.decode([token])) if tokenizer is not None else str(token)
@@ -190,21 +234,34 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return {"tokens": [_piece(t) for t in tokens], "token_logprobs": chosen,
                 "top_logprobs": [{_piece(k): v for k, v in top.items()} for top in tops]}
 
-    def _encode(text: str) -> list[int]:
+    def _encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def _serve(request: Request, body: dict[str, Any], token_ids: list[int], params: SamplingParams,
-                     chat: bool) -> Response:
-        stream = bool(body.get("stream", False))
+    def _chat_tokens(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise APIError(400, "this model has no tokenizer or chat template", param="messages")
         try:
-            request_id, outputs = await engine.generate(token_ids, params, stream=stream)
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # the template's own complaint (jinja2 raises its own types)
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
+        return _encode(text)  # as LLM.chat does, so both give the same tokens
+
+    async def _serve(body: CompletionRequest | ChatCompletionRequest, token_ids: list[int], params: SamplingParams,
+                     chat: bool) -> Response:
+        stream = body.stream
+        try:
+            request_id, outputs = await engine.generate(token_ids, params, stream=stream,
+                                                        max_waiting=config.max_waiting)
+        except EngineBusyError as exc:
+            raise APIError(503, str(exc), kind="server_error", headers={"Retry-After": "1"}) from exc
         except ValueError as exc:
             message = str(exc)
             raise APIError(400, message, param="prompt" if "prompt" in message else None) from exc
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         if stream:
             return StreamingResponse(
                 _sse(request_id, outputs, rid, created, chat, include_usage, len(token_ids)),
@@ -258,6 +315,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 yield chunk([choice])
             if include_usage:
                 yield chunk([], _usage(prompt_tokens, generated))
+        except EngineDeadError as exc:  # the status line went out already: report it in the stream
+            error = APIError(500, str(exc), kind="internal_server_error", code="engine_dead")
+            yield f"data: {json.dumps(error.body())}\n\n"
+        else:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away: free its blocks at the next step

@@ -1,15 +1,23 @@
 """Runs an LLMEngine in its own thread so HTTP handlers can submit requests at any time; new
 requests join the batch between steps (continuous batching across HTTP requests).
 
-Invariants: only the engine thread touches the engine after start(); handlers talk to it
-through a command queue (submit, abort) and receive each request's outputs on its own asyncio
-queue, in order, ending with a finished output. An aborted request's blocks are freed before
-the next step.
+Owners: only the engine thread touches the engine (and its tokenizer) after start(); handlers
+talk to it through a command queue (submit, abort) and receive each request's outputs on its
+own asyncio queue, in order, ending with a finished output. An aborted request's blocks are
+freed before the next step. The counts handlers read (waiting, running, the KV snapshot) are
+owned by ``_lock``: the waiting limit is checked and a slot reserved in one critical section,
+counting submissions the engine thread has not taken yet, so a burst cannot pass it.
+
+If a step raises, the engine is dead: the error is logged with its traceback, every request in
+flight and every later submission fails with EngineDeadError (the thread stays to answer
+them), ``error`` is set (health checks report it) and ``on_fatal`` runs, which makes
+``kvserve serve`` exit non-zero for a supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +27,16 @@ from dataclasses import dataclass
 from kvserve.cache.kv_cache_manager import KVCacheStats
 from kvserve.engine.engine import LLMEngine, RequestOutput
 from kvserve.engine.sampling import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can be served until the process restarts."""
+
+
+class EngineBusyError(RuntimeError):
+    """The waiting queue is at its limit (max_waiting)."""
 
 
 @dataclass(slots=True)
@@ -35,13 +53,16 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called in the engine thread after every step (metrics)
+        self.on_fatal: Callable[[BaseException], None] | None = None  # called once, in the engine thread
         self._commands: queue.Queue[_Submit | str | None] = queue.Queue()
         self._sinks: dict[str, _Submit] = {}
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self._stats_lock = threading.Lock()
+        self._lock = threading.Lock()  # owns everything below
         self._stats = engine.kv_stats()
-        self.num_waiting = 0
-        self.num_running = 0
+        self._engine_waiting = 0  # the scheduler's waiting queue, as of the last step
+        self._queued = 0  # submissions the engine thread has not taken yet
+        self._running = 0
+        self._error: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -52,17 +73,42 @@ class AsyncEngine:
 
     @property
     def kv_stats(self) -> KVCacheStats:
-        with self._stats_lock:
+        with self._lock:
             return self._stats
 
-    async def generate(self, prompt: list[int], params: SamplingParams, stream: bool = False
-                       ) -> tuple[str, AsyncIterator[RequestOutput]]:
-        """Submit; raises the engine's InvalidRequestError at once for a bad request. Returns the
-        request id and an iterator over its outputs (the last one finished)."""
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: in the scheduler's queue or still in the command queue."""
+        with self._lock:
+            return self._engine_waiting + self._queued
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return self._running
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that killed the engine thread, or None while it is healthy."""
+        with self._lock:
+            return self._error
+
+    async def generate(self, prompt: list[int], params: SamplingParams, stream: bool = False,
+                       max_waiting: int | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
+        """Submit; raises the engine's InvalidRequestError at once for a bad request,
+        EngineBusyError when ``max_waiting`` requests already wait (None: no limit), EngineDeadError once the engine
+        failed. Returns the request id and an iterator over its outputs (the last one finished)."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         accepted: Future[str] = Future()
-        self._commands.put(_Submit(prompt, params, stream, sink, loop, accepted))
+        with self._lock:
+            if self._error is not None:
+                raise EngineDeadError(f"the engine failed and is restarting: {self._error!r}")
+            waiting = self._engine_waiting + self._queued
+            if max_waiting is not None and waiting >= max_waiting:
+                raise EngineBusyError(f"server busy: {waiting} requests already waiting")
+            self._queued += 1
+            self._commands.put(_Submit(prompt, params, stream, sink, loop, accepted))
         request_id = await asyncio.wrap_future(accepted)
 
         async def outputs() -> AsyncIterator[RequestOutput]:
@@ -84,7 +130,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            idle = not engine.has_unfinished_requests()
+            idle = self._error is not None or not engine.has_unfinished_requests()
             command: _Submit | str | None
             try:
                 command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
@@ -101,17 +147,27 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = ""
-            outputs = self._step() if engine.has_unfinished_requests() else []
-            self._publish(outputs)
+            if self._error is not None:
+                continue  # dead: only answer commands, with errors
+            try:
+                outputs = self._step() if engine.has_unfinished_requests() else []
+                self._publish(outputs)
+            except Exception as exc:  # an engine bug must not leave clients waiting forever
+                self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        logger.critical("the engine thread failed; every request is failed and the server stops", exc_info=exc)
+        with self._lock:
+            self._error = exc
+        dead = EngineDeadError(f"the engine failed: {exc!r}")
+        for waiting in self._sinks.values():
+            waiting.loop.call_soon_threadsafe(waiting.sink.put_nowait, dead)
+        self._sinks.clear()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _step(self) -> list[RequestOutput]:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # an engine bug must not leave clients waiting forever
-            for waiting in self._sinks.values():
-                waiting.loop.call_soon_threadsafe(waiting.sink.put_nowait, exc)
-            self._sinks.clear()
-            raise
+        outputs = self.engine.step()
         for out in outputs:
             sub = self._sinks.get(out.request_id)
             if sub is not None:
@@ -122,22 +178,29 @@ class AsyncEngine:
 
     def _accept(self, sub: _Submit) -> None:
         try:
+            if self._error is not None:
+                raise EngineDeadError(f"the engine failed and is restarting: {self._error!r}")
             request = self.engine.add_request(sub.prompt, sub.params, stream=sub.stream)
-        except ValueError as exc:
+        except (ValueError, EngineDeadError) as exc:
+            with self._lock:
+                self._queued -= 1
             sub.accepted.set_exception(exc)
             return
+        with self._lock:
+            self._queued -= 1
+            self._engine_waiting = len(self.engine.scheduler.waiting)
         self._sinks[request.request_id] = sub
         sub.accepted.set_result(request.request_id)
 
     def _abort(self, request_id: str) -> None:
-        if self._sinks.pop(request_id, None) is not None:
+        if self._sinks.pop(request_id, None) is not None and self._error is None:
             self.engine.abort_request(request_id)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.kv_stats()
-        with self._stats_lock:
+        with self._lock:
             self._stats = stats
-            self.num_waiting = len(self.engine.scheduler.waiting)
-            self.num_running = len(self.engine.scheduler.running)
+            self._engine_waiting = len(self.engine.scheduler.waiting)
+            self._running = len(self.engine.scheduler.running)
         if self.on_step is not None:
             self.on_step(outputs)

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible request bodies as pydantic models, as vLLM's protocol module declares
+them: validation, error messages and /openapi.json all come from here.
+
+Every field a client may send is declared. An unknown field is rejected, and so is a known
+field the server cannot honour (``n > 1``, ``tools``, a ``response_format`` other than text,
+``echo``, ``suffix``): nothing is ignored silently. Strings must be valid Unicode (a lone
+UTF-16 surrogate such as ``"\\ud800"`` is rejected), numbers finite.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvserve.engine.sampling import SamplingParams
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"string is not valid Unicode: {exc.reason} at index {exc.start}") from exc
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="only plain text is supported")
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extras)."""
+
+    model: Text | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    include_stop_str_in_output: bool = False
+    n: int = Field(1, description="only n=1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed: int | None) -> int | None:
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise ValueError("seed must fit in 64 bits")
+        return seed
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return bias
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop is not None and any(not s for s in ([stop] if isinstance(stop, str) else stop)):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The field that set requested_max_tokens (for error messages)."""
+        return "max_tokens"
+
+    def logprobs_wanted(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters (OpenAI defaults: temperature 1, top_p 1)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_wanted(), include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            min_tokens=min(self.min_tokens, max_tokens))
+
+
+class CompletionRequest(_Sampling):
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: Literal[False] = Field(False, description="echo is not supported")
+    suffix: None = Field(None, description="suffix is not supported")
+    best_of: Literal[1] | None = Field(None, description="only best_of=1 is supported")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"one prompt per request is supported, got a batch of {len(prompt)}")
+            self.prompt = prompt[0]
+        if not self.prompt:
+            raise ValueError("prompt is empty")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _join_text_parts(cls, content: str | list[dict[str, Any]] | None) -> str | None:
+        """OpenAI content parts: text parts are joined; any other part type is refused by name."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+            texts.append(TextPart.model_validate(part).text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = Field(None, description="tools are not supported: only an empty list")
+    tool_choice: Literal["none"] | None = Field(None, description="tools are not supported")
+    add_generation_prompt: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise ValueError("tools are not supported by this server")
+        return tools
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,252 @@
+"""The HTTP API's contract, fast: a tiny random-weight Llama with SmolLM2's real tokenizer and
+chat template behind uvicorn on 127.0.0.1. Bad input gets a 400 naming the field, never a 5xx;
+an engine failure answers every request with a 500 and /health with 503; a schema fuzz of every
+route finds no 5xx and leaves the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.server.app import ServerConfig
+from kvserve.server.serve import build
+from tests.conftest import free_port, serve_in_thread, wait_healthy
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tiny_model_factory: Callable[..., Path], smollm: LoadedModel) -> LoadedModel:
+    """Random weights over SmolLM2's vocabulary, with SmolLM2's tokenizer (the tiny HF folders have none)."""
+    path = tiny_model_factory("llama", vocab_size=smollm.config.vocab_size)
+    return load_model(str(path), torch.device("cpu"), torch.float32)._replace(tokenizer=smollm.tokenizer)
+
+
+def start_server(loaded: LoadedModel, **server: Any) -> tuple[Any, Any, str, Callable[[], None]]:
+    config = EngineConfig(model=MODEL, kv_cache_memory="4MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    engine, app = build(config, ServerConfig(model_name=MODEL, **server), loaded=loaded)
+    base, stop_http = serve_in_thread(app)
+
+    def stop() -> None:
+        stop_http()
+        engine.shutdown()
+
+    return engine, app, base, stop
+
+
+@pytest.fixture(scope="module")
+def api(tiny_chat_model: LoadedModel) -> Iterator[dict[str, Any]]:
+    engine, app, base, stop = start_server(tiny_chat_model)
+    yield {"base": base, "engine": engine, "app": app}
+    stop()
+
+
+def post(base: str, path: str, body: Any) -> httpx.Response:
+    """As a client would send it: json.dumps escapes lone surrogates and writes NaN."""
+    return httpx.post(base + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=30)
+
+
+def still_serving(base: str) -> None:
+    r = post(base, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert httpx.get(base + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path,body,param,fragment", [
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt", "not valid Unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages.0.content",
+     "not valid Unicode"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature", "finite"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10000}, "logprobs", "max_logprobs=20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs", "max_logprobs=20"),
+    ("/v1/completions", {"prompt": [5] * 100, "max_tokens": 50}, "max_tokens",
+     "max_tokens=50 is more than the 28 tokens left after the prompt's 100 tokens in max_model_len=128"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "wizard"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "'image_url' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format.type", "json_object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "1"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate", "unknown or unsupported field"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt", "outside the vocabulary"),
+])
+def test_bad_requests_get_a_400_naming_the_field(api: dict[str, Any], path: str, body: dict[str, Any],
+                                                 param: str, fragment: str) -> None:
+    r = post(api["base"], path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param or (param == "prompt" and error["param"] in ("prompt", None)), error
+    assert fragment in error["message"], error
+    still_serving(api["base"])
+
+
+def test_content_parts_are_joined(api: dict[str, Any]) -> None:
+    """vLLM's bench client and many SDKs send content as a list of text parts."""
+    base = api["base"]
+    plain = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab\ncd"}],
+                                                "max_tokens": 4, "temperature": 0}).json()
+    parts = post(base, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}],
+        "max_tokens": 4, "temperature": 0}).json()
+    assert parts["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert parts["usage"] == plain["usage"]
+
+
+def test_tokenize_and_detokenize_round_trip(api: dict[str, Any], smollm: LoadedModel) -> None:
+    base = api["base"]
+    text = "The quick brown fox"
+    r = post(base, "/tokenize", {"prompt": text}).json()
+    assert r["tokens"] == list(smollm.tokenizer.encode(text)) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN
+    assert post(base, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == text
+    chat = post(base, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    expected = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                    add_generation_prompt=True)
+    assert chat["tokens"] == list(smollm.tokenizer.encode(expected))
+    assert post(base, "/detokenize", {"tokens": [10**7]}).status_code == 400
+    assert post(base, "/tokenize", {"prompt": "a", "messages": []}).status_code == 400
+
+
+def test_max_tokens_fills_the_context_only_when_not_asked(api: dict[str, Any]) -> None:
+    r = post(api["base"], "/v1/completions", {"prompt": [5] * 120, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8  # min(16, 128 - 120)
+    r = post(api["base"], "/v1/completions", {"prompt": [5] * 120, "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 200
+
+
+def test_waiting_limit_holds_under_a_burst(tiny_chat_model: LoadedModel) -> None:
+    """A burst of submissions faster than the engine thread takes them: at most max_waiting get
+    in line, the rest get 503 (the limit counts what is still in the command queue)."""
+    engine, _, base, stop = start_server(tiny_chat_model, max_waiting=3)
+    try:
+        engine.engine.scheduler.max_num_seqs = 1  # nothing leaves the queue quickly
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"prompt": [5] * 10, "max_tokens": 110, "ignore_eos": True}  # long: nobody leaves
+                rs = await asyncio.gather(*(client.post(base + "/v1/completions", json=body) for _ in range(12)))
+            return [r.status_code for r in rs]
+
+        codes = asyncio.run(burst())
+        assert set(codes) <= {200, 503} and 503 in codes
+        assert codes.count(200) <= 3 + 1  # max_waiting in line + the one running
+    finally:
+        stop()
+
+
+def test_engine_failure_fails_requests_and_health(tiny_chat_model: LoadedModel) -> None:
+    """On a16fa74 the request after a failed step hung forever and /health said ok."""
+    engine, _, base, stop = start_server(tiny_chat_model)
+    fatal: list[BaseException] = []
+    engine.on_fatal = fatal.append
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("kvserve").addHandler(handler)
+    try:
+        still_serving(base)
+        real_step, steps = engine.engine.step, [0]
+
+        def faulty_step() -> Any:
+            steps[0] += 1
+            if steps[0] == 3:
+                raise RuntimeError("injected fault")
+            return real_step()
+
+        engine.engine.step = faulty_step
+        body = {"prompt": [5] * 10, "max_tokens": 20, "ignore_eos": True}
+        r = post(base, "/v1/completions", body)  # in flight when the step fails
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead", r.text
+        assert "injected fault" in r.json()["error"]["message"]
+        r = post(base, "/v1/completions", body)  # a new request is answered at once
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=10) as s:
+            assert s.status_code == 500
+        assert httpx.get(base + "/health").status_code == 503
+        assert len(fatal) == 1 and "injected fault" in str(fatal[0])
+        assert any(rec.exc_info and "injected fault" in str(rec.exc_info[1]) for rec in records)  # traceback
+    finally:
+        logging.getLogger("kvserve").removeHandler(handler)
+        stop()
+
+
+def test_serve_exits_non_zero_when_the_engine_fails(tiny_chat_model: LoadedModel) -> None:
+    """kvserve serve returns ENGINE_DEAD_EXIT_CODE (the CLI's exit status) after a failed step."""
+    from kvserve.server import serve as serve_module
+
+    port = free_port()
+    original_build, result = serve_module.build, {}
+
+    def build_faulty(*args: Any, **kwargs: Any) -> Any:
+        engine, app = original_build(*args, **kwargs)
+
+        def fail() -> Any:
+            raise RuntimeError("injected fault")
+
+        engine.engine.step = fail
+        return engine, app
+
+    serve_module.build = build_faulty  # type: ignore[assignment]
+    try:
+        config = EngineConfig(model=MODEL, kv_cache_memory="4MiB", max_model_len=MAX_MODEL_LEN)
+        thread = threading.Thread(target=lambda: result.setdefault("code", serve_module.serve(
+            config, ServerConfig(model_name=MODEL), "127.0.0.1", port, loaded=tiny_chat_model)))
+        thread.start()
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, seconds=10)
+        r = post(base, "/v1/completions", {"prompt": [5] * 4, "max_tokens": 4})
+        assert r.status_code == 500
+        thread.join(timeout=30)
+        assert not thread.is_alive() and result["code"] == serve_module.ENGINE_DEAD_EXIT_CODE
+    finally:
+        serve_module.build = original_build  # type: ignore[assignment]
+
+
+def test_fuzz_every_route_from_the_schema(api: dict[str, Any]) -> None:
+    """schemathesis draws bodies from /openapi.json (valid and invalid) for every route: no
+    5xx, and the server keeps serving. Bounded: a few dozen examples per route."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.generation.modes import GenerationMode
+
+    base = api["base"]
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    failures: list[str] = []
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    for operation, mode in itertools.product(operations, GenerationMode):
+        if mode is GenerationMode.NEGATIVE and operation.method.upper() != "POST":
+            continue  # a route without a body or parameters has no invalid input
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=40, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case: Any) -> None:
+            response = case.call(base_url=base, timeout=30)
+            if response.status_code >= 500:
+                failures.append(f"{case.method} {case.path} {case.body!r} -> {response.status_code} "
+                                f"{response.text[:200]}")
+
+        check()
+    assert not failures, failures[:5]
+    still_serving(base)
