@@ -33,11 +33,11 @@ def _write_index(slots: torch.Tensor, block_size: int, kv_heads: int) -> KVWrite
 def _decode_group(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int, heads: int, kv_heads: int,
                   dtype: torch.dtype, with_bias: bool) -> AttentionGroup:
     if not with_bias:  # the C++ kernel
-        return AttentionGroup(0, len(lens), 1, block_tables, None, lens, False, None)
+        return AttentionGroup(0, len(lens), 1, block_tables, True, None, lens, False, None)
     kv_len = block_tables.shape[1] * block_size
     mask = (torch.arange(kv_len)[None, :] < lens[:, None])[:, None, None, :]
     bias = attention_bias(mask, heads, kv_heads, dtype)
-    return AttentionGroup(0, len(lens), 1, block_tables, mask, lens, False, bias)
+    return AttentionGroup(0, len(lens), 1, block_tables, False, mask, lens, False, bias)
 
 
 @needs_kernel
@@ -94,7 +94,7 @@ def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_
     slots = torch.zeros(0, dtype=torch.long)
     outs = []
     for group_mask in (mask, None):  # gather + SDPA, then the kernel
-        group = AttentionGroup(0, batch, query_len, tables, group_mask, lens, fresh, None)
+        group = AttentionGroup(0, batch, query_len, tables, group_mask is None, group_mask, lens, fresh, None)
         meta = AttentionMetadata(slots, KVWriteIndex(slots, None, None), [group])
         outs.append(paged_attention(query, LayerKV.float_pool(pool), meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)

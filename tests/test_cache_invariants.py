@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvserve.cache.kv_cache_manager import KVCacheManager, TokenReader, cdiv
-from kvserve.engine.request import Request
+from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 
@@ -22,7 +22,14 @@ def check_manager(kv: KVCacheManager) -> None:
     free_ids = {b.block_id for b in kv.pool.free_queue}
     assert len(free_ids) == kv.pool.num_free_blocks
     assert not free_ids & set(owners)
-    assert len(free_ids) + len(owners) == kv.pool.num_usable_blocks
+    tail_ids = [b.block_id for run in kv.tails.values() for b in run]
+    assert set(kv.tails) == set(kv.block_tables) if kv.tail_blocks else not kv.tails  # one tail run per request
+    for run in kv.tails.values():  # aligned, contiguous, held once, past the null block's run
+        ids = [b.block_id for b in run]
+        assert ids == list(range(ids[0], ids[0] + kv.tail_blocks)) and ids[0] % kv.tail_blocks == 0 and ids[0]
+        assert all(b.ref_cnt == 1 and b.block_hash is None for b in run)
+    assert len(set(tail_ids)) == len(tail_ids) and not set(tail_ids) & (free_ids | set(owners))
+    assert len(free_ids) + len(owners) + len(tail_ids) == kv.pool.num_usable_blocks
     held: dict[int, int] = {}  # physical: tokens each distinct block holds
     for rid, table in kv.block_tables.items():
         assert len(table) == cdiv(kv.num_tokens[rid], kv.block_size)
@@ -33,7 +40,7 @@ def check_manager(kv: KVCacheManager) -> None:
             filled = min(kv.block_size, kv.num_tokens[rid] - i * kv.block_size)
             held[block.block_id] = max(held.get(block.block_id, 0), filled)
     stats = kv.stats()
-    assert stats.blocks_used == len(owners)
+    assert stats.blocks_used == len(owners) + len(tail_ids) and stats.tail_blocks_used == len(tail_ids)
     assert stats.logical_tokens == sum(kv.num_tokens.values())
     assert stats.live_tokens == sum(held.values())
     assert stats.allocated_slots == len(owners) * kv.block_size
@@ -54,11 +61,12 @@ def shared_tokens(request_id: str) -> TokenReader:
     return lambda start, end: [offset + i // 5 for i in range(start, end)]
 
 
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 40), caching=st.booleans())
-@settings(max_examples=200, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 40), caching=st.booleans(),
+       tail_blocks=st.sampled_from([0, 0, 2, 4]))
+@settings(max_examples=250, deadline=None)
 def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, num_blocks: int,
-                            caching: bool) -> None:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+                            caching: bool, tail_blocks: int) -> None:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, tail_blocks=tail_blocks)
     for op, rid, n in ops:
         request_id = f"r{rid}"
         tokens = shared_tokens(request_id)
@@ -78,7 +86,7 @@ def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, nu
         kv.free(rid)
     check_manager(kv)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and kv.stats().live_tokens == 0
-    assert kv.pool.num_shared_refs == 0
+    assert kv.pool.num_shared_refs == 0 and not kv.tails
 
 
 def test_shared_prefix_counts_once() -> None:
@@ -117,13 +125,14 @@ def test_free_queue_is_o1_linked_list() -> None:
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, int, int]:
+def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, int, int, int]:
     block_size = draw(st.sampled_from([1, 4, 16]))
     num_blocks = draw(st.integers(4, 30))
-    max_len = (num_blocks - 1) * block_size
+    tail_blocks = draw(st.sampled_from([0, 0, 2]))  # 2: each running request also holds a tail run
+    max_len = (num_blocks - 1 - tail_blocks) * block_size
     reqs = draw(st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 30), st.integers(0, 6)),
                          min_size=1, max_size=12))
-    return reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64))
+    return reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64)), tail_blocks
 
 
 @given(workloads(), st.randoms(use_true_random=False))
@@ -131,10 +140,10 @@ def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, in
 def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: ignore[no-untyped-def]
     """Drive the real scheduler and manager with bookkeeping in place of the model: random
     arrivals and aborts; every request ends with exactly its tokens, blocks never leak."""
-    specs, block_size, num_blocks, max_seqs, budget = workload
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    specs, block_size, num_blocks, max_seqs, budget, tail_blocks = workload
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, tail_blocks=tail_blocks)
     sched = Scheduler(kv, max_seqs, budget)
-    max_len = (num_blocks - 1) * block_size
+    max_len = kv.capacity_tokens
     pending = list(enumerate(specs))
     requests: list[Request] = []
     aborted: set[str] = set()
@@ -152,16 +161,20 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
             victim = rnd.choice(sched.running)
             sched.finish(victim, "abort")
             aborted.add(victim.request_id)
-        chunks = sched.schedule()
+        scheduled = sched.schedule()
+        chunks = scheduled.chunks
+        assert all(r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 for r in scheduled.preempted)
+        assert not {r.request_id for r in scheduled.preempted} & {c.request.request_id for c in chunks}
         assert sum(c.num_tokens for c in chunks) <= budget and len(sched.running) <= max_seqs
         assert all(c.request.request_id in kv.block_tables for c in chunks)
+        written: list[int] = []
         for c in chunks:
             r = c.request
-            # every token about to be computed has a slot of its own
-            slots = kv.slot_mapping(r.request_id, r.num_computed_tokens, r.num_computed_tokens + c.num_tokens)
-            assert len(set(slots)) == len(slots) and min(slots) >= block_size
-            # ...in a block no other request holds (shared prefix blocks are never written)
-            assert all(kv.pool.blocks[slot // block_size].ref_cnt == 1 for slot in slots)
+            # every token about to be computed has a slot of its own, outside the null block
+            written += kv.slot_mapping(r.request_id, r.num_computed_tokens, r.num_computed_tokens + c.num_tokens)
+        # no two requests write one slot (a block published this step may already be shared by a
+        # request admitted in it, which reads it after the publisher's write)
+        assert len(set(written)) == len(written) and (not written or min(written) >= block_size)
         for c in chunks:
             done = c.completes_sequence
             c.request.num_computed_tokens += c.num_tokens

@@ -53,8 +53,9 @@ def test_continuous_batching_limits_and_chunked_prefill(engine: LLMEngine) -> No
     engine.step()  # 16-token budget: first chunk of a 40-token prompt
     assert first.num_computed_tokens == 16 and not first.output_token_ids
     late = [engine.add_request([3] * 4, params) for _ in range(4)]  # join between steps
-    chunks = engine.scheduler.schedule()
-    assert sum(c.num_tokens for c in chunks) <= 16
+    scheduled = engine.scheduler.schedule()
+    chunks = scheduled.chunks
+    assert scheduled.num_scheduled_tokens <= 16 and not scheduled.preempted
     assert len(engine.scheduler.running) <= 3  # max_num_seqs
     engine.runner.execute(chunks)
     for c in chunks:

@@ -115,7 +115,7 @@ def test_pool_bytes_equal_the_planner_formula(kv_dtype: str, block_size: int,
     per_block = kv_block_bytes(layout, cfg.num_layers, kv_dtype, block_size, key_scales="block")
     assert engine.kv_block_bytes == per_block
     assert engine.kv_cache.nbytes == engine.num_blocks * per_block
-    assert engine.kv_cache.nbytes + engine.kv_cache.tail_nbytes <= 2 * 2**20
+    assert engine.kv_cache.nbytes <= 2 * 2**20  # tail slots live inside the pool
 
 
 @pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
@@ -197,3 +197,45 @@ def test_skip_layers_stay_in_the_model_dtype(tiny_model_factory: Callable[..., P
     assert all(len(o.token_ids) == 6 for o in llm.generate(prompts, params))
     with pytest.raises(ValueError, match="layer 5 does not exist"):
         LLM(path, kv_cache_memory="2MiB", kv_cache_dtype="int8", kv_cache_dtype_skip_layers=(5,))
+
+
+FORMATS = [("fp32", "static"), ("bf16", "static"), ("fp8_e4m3", "static"), ("fp8_e5m2", "static"),
+           ("int8", "static"), ("int8", "block"), ("int4", "block")]
+
+
+@pytest.mark.parametrize("kind,mode", FORMATS)
+def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(kind: str, mode: str) -> None:
+    """The registry picks one class per format; the byte formula, the tail rule and the tensors a
+    block copy moves all come from it, so moving a block (swap, tiers) touches that class only."""
+    from kvserve.cache.kv_cache import KV_FORMATS, KVQuantSpec, PagedKVCache, format_class
+    from kvserve.cache.kv_format import KVLayout, keeps_tail_block, kv_block_bytes
+
+    assert {k for k, _ in KV_FORMATS} >= {k for k, _ in FORMATS}
+    layers, blocks, block_size, heads, dim = 2, 6, 4, 2, 64
+    key_scales = torch.rand(layers, heads, dim) + 0.5 if mode == "static" and kind == "int8" else None
+    cache = PagedKVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"),
+                         KVQuantSpec(kind, key_scales=key_scales))
+    layer = cache.layers[0]
+    assert type(layer) is format_class(kind, mode)
+    assert layer.keeps_tail_block == keeps_tail_block(kind, mode) == (layer.tail is not None)
+    per_block = sum(t[0].numel() * t.element_size() for t in layer.per_block_tensors())
+    assert per_block == kv_block_bytes(KVLayout.standard(heads, dim), 1, kind, block_size, mode)
+    torch.manual_seed(0)
+    cache.zero_new_blocks(blocks - 1)  # as if every block had been handed out
+    for tensor in cache._per_block():  # arbitrary stored contents, scales kept positive and finite
+        if tensor.dtype == torch.uint8:
+            tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8))
+        elif tensor.dtype.is_floating_point and tensor.element_size() >= 2:
+            tensor.copy_(torch.rand(tensor.shape) + 0.1)
+        else:  # fp8 codes
+            tensor.copy_((torch.rand(tensor.shape) * 2 - 1).to(tensor.dtype))
+    before = [t.clone() for t in cache._per_block()]
+    cache.copy_blocks([(1, 4), (2, 5)])
+    tables = torch.tensor([[1, 2], [4, 5]])
+    lens = torch.tensor([2 * block_size, 2 * block_size])
+    for layer in cache.layers:
+        read = layer.gather(tables, lens, None, torch.float32)
+        torch.testing.assert_close(read[1], read[0], atol=0, rtol=0, equal_nan=True)  # random fp8 bytes hold NaNs
+    for old, new in zip(before, cache._per_block(), strict=True):
+        assert torch.equal(new[[4, 5]].view(torch.uint8), old[[1, 2]].view(torch.uint8))
+        assert torch.equal(new[:4].view(torch.uint8), old[:4].view(torch.uint8))  # nothing else moved

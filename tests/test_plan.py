@@ -96,7 +96,9 @@ def test_kv_dtypes_shrink_in_order_and_int4_keeps_a_full_precision_tail() -> Non
     per_block = plan(spec, device_memory="80GB", kv_dtype="int8", key_scales="block").kv_bytes_per_token
     assert per_block - sizes["int8"] == 32 * 8 * 128 * 4 / 16  # a float32 scale per channel per block
     one = plan(spec, context=16, device_memory="80GB", kv_dtype="int4").kv_bytes_per_sequence
-    assert one == kv_block_bytes(spec.kv_layout, 32, "int4", 16) + kv_block_bytes(spec.kv_layout, 32, "fp16", 16)
+    # the fp16 tail block lives in 16 / 4 = 4 pool blocks, taken from the same budget
+    assert one == (1 + 4) * kv_block_bytes(spec.kv_layout, 32, "int4", 16)
+    assert 4 * kv_block_bytes(spec.kv_layout, 32, "int4", 16) > kv_block_bytes(spec.kv_layout, 32, "fp16", 16)
 
 
 def test_max_concurrency_and_context_are_tight() -> None:
@@ -141,7 +143,7 @@ def test_plan_agrees_with_the_engine_for_every_kv_dtype(kv_dtype: str, key_scale
     full-precision tail block included) and its block count equal what the engine allocates."""
     kwargs: dict[str, Any] = {}
     if key_scales == "static" and kv_dtype == "int8":
-        from kvserve.quant.scales import KVScales
+        from kvserve.cache.kv_scales import KVScales
 
         cfg = smollm.config
         scales_path = tmp_path / "scales.json"
@@ -156,13 +158,38 @@ def test_plan_agrees_with_the_engine_for_every_kv_dtype(kv_dtype: str, key_scale
     assert report.kv_bytes_per_token == engine.kv_bytes_per_token
     assert report.kv_bytes_per_sequence == -(-1000 // block_size) * engine.kv_block_bytes + engine.kv_tail_bytes
     memory = int(engine.config.kv_cache_memory)
-    if engine.kv_tail_bytes:  # one tail per max_num_seqs, within a tenth of the budget
-        assert engine.num_tail_slots == min(8, memory // 10 // engine.kv_tail_bytes) >= 1
-        assert engine.scheduler.max_num_seqs == engine.num_tail_slots
-    budget = memory - engine.num_tail_slots * engine.kv_tail_bytes
-    assert kv_blocks_for_budget(spec, kv_dtype, block_size, budget, key_scales) == engine.num_blocks
+    # tail blocks come out of the pool on demand: the whole budget buys blocks, max_num_seqs is not capped
+    assert kv_blocks_for_budget(spec, kv_dtype, block_size, memory, key_scales) == engine.num_blocks
     assert engine.kv_cache.nbytes == engine.num_blocks * engine.kv_block_bytes
-    assert engine.kv_cache.tail_nbytes == engine.num_tail_slots * engine.kv_tail_bytes
+    assert engine.scheduler.max_num_seqs == 8
+
+
+@pytest.mark.parametrize("kv_dtype,key_scales", [("int4", "block"), ("int8", "block"), ("bf16", "static")])
+def test_engine_runs_as_many_sequences_as_the_planner_promises(kv_dtype: str, key_scales: str,
+                                                               smollm: LoadedModel) -> None:
+    """fp32 weights, 64 MiB of KV, 200-token contexts: on a16fa74 the int4 engine ran at most 9
+    sequences (tail slots capped at a tenth of the budget) where the planner allowed 28. Now
+    tails are drawn from the pool like blocks, and the engine fits what the planner promises
+    (less at most one sequence: tail runs must be aligned): 25, since a tail now costs the
+    blocks whose bytes it uses, per-block scale bytes included."""
+    from kvserve.plan.planner import _Sizer
+
+    engine = LLM(loaded=smollm, kv_cache_memory="64MiB", kv_cache_dtype=kv_dtype, max_num_seqs=256).engine
+    spec = ModelSpec.from_model("smollm2-135m").with_dtype("fp32")  # the engine runs fp32 weights
+    promised = _Sizer(spec, kv_dtype, 16, key_scales).max_concurrency(64 * 2**20, 200)
+    manager = engine.kv_manager
+    fitted = 0
+    while manager.allocate_slots(f"r{fitted}", 200):
+        fitted += 1
+    assert promised - 1 <= fitted <= promised
+    if kv_dtype == "int4":  # a tail takes 8 blocks (their unused scale bytes included): 21 blocks a sequence
+        assert fitted == 528 // 21 and manager.stats().tail_slots_used == fitted
+    stats = manager.stats()
+    assert stats.tail_blocks_used == fitted * engine.tail_blocks
+    assert stats.blocks_used == fitted * (13 + engine.tail_blocks)  # cdiv(200, 16) = 13 blocks each
+    for i in range(fitted):
+        manager.free(f"r{i}")
+    assert manager.stats().blocks_used == 0
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

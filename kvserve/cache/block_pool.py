@@ -132,17 +132,36 @@ class BlockPool:
         """Take ``count`` free blocks (ref_cnt becomes 1). Raises if the pool is short."""
         if count > self.num_free_blocks:
             raise ValueError(f"asked for {count} blocks, only {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(count):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:  # evict: its content is about to be overwritten
-                del self.cached_blocks[block.block_hash]
-                block.block_hash = None
-                self.num_evictions += 1
-            block.ref_cnt = 1
-            blocks.append(block)
-            self.max_block_id_used = max(self.max_block_id_used, block.block_id)
-        return blocks
+        return [self._claim(self.free_queue.popleft()) for _ in range(count)]
+
+    def _claim(self, block: KVCacheBlock) -> KVCacheBlock:
+        """A block just taken off the free queue now has one holder; a cached prefix in it is evicted."""
+        if block.block_hash is not None:  # evict: its content is about to be overwritten
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+        block.ref_cnt = 1
+        self.max_block_id_used = max(self.max_block_id_used, block.block_id)
+        return block
+
+    def get_aligned_run(self, length: int, avoid: set[int]) -> list[KVCacheBlock] | None:
+        """Take ``length`` free blocks with consecutive ids, the first a multiple of ``length``
+        (a sequence's tail slot, see kv_format.tail_blocks), none in ``avoid``; runs holding no
+        cached prefix are preferred to evicting one. None if no such run is free."""
+        fallback: list[KVCacheBlock] | None = None
+        for start in range(length, self.num_blocks - length + 1, length):  # run 0 holds the null block
+            run = self.blocks[start : start + length]
+            if any(block.ref_cnt or block.block_id in avoid for block in run):
+                continue
+            if all(block.block_hash is None for block in run):
+                fallback = run
+                break
+            fallback = fallback or run
+        if fallback is None:
+            return None
+        for block in fallback:
+            self.free_queue.remove(block)
+        return [self._claim(block) for block in fallback]
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero return to the queue.

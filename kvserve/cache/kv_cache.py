@@ -13,19 +13,23 @@ static (one calibrated table) or per block; value scales per (token, KV head[, g
 static scale per layer for K and one for V. Formats that need a block's keys complete before
 they can be scaled (int4, and int8 with per-block key scales) keep each running sequence's
 not-yet-full last block in full precision in a tail slot (KIVI's residual, aligned to blocks)
-and quantize the block when it fills. Attention reads that block from the tail slot.
+and quantize the block when it fills. Attention reads that block from the tail slot. A tail slot
+is an aligned run of pool blocks whose bytes are viewed in the model dtype, handed out by the
+KVCacheManager with the sequence's first blocks: tails and blocks share one budget.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
-from kvserve.cache.kv_format import keeps_tail_block
+from kvserve.cache.kv_format import KEY_SCALE_MODES
 from kvserve.cache.kv_quant import (
     FLOAT_KINDS,
+    FP8_TYPES,
     QMAX,
     affine_params,
     channel_scales,
@@ -69,13 +73,30 @@ class KVWriteIndex:
     tail: TailPlan | None
 
 
+class PoolShape(NamedTuple):
+    """What every layer's pool is sized by."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    model_dtype: torch.dtype  # tail slots are kept in it
+    device: torch.device
+
+
 @dataclass(slots=True)
 class LayerKV:
-    """One layer's pool and how to read it.
+    """One layer's pool in one KV format: the interface every format implements.
+
+    A format says how to store a step's K/V (``write``), how to read whole blocks back as floats
+    (``dequantize``, the torch path and the kernels' reference), which per-block tensors hold a
+    block (``per_block_tensors``: a block copy or a move to another tier moves exactly these,
+    in their stored format), and whether it keeps a full-precision tail block per running
+    sequence (``keeps_tail_block``). ``kind`` and the scale tensors are what the C++ kernels read.
 
     Invariants: ``data`` rows at or past a sequence's length are never read as keys (masked);
-    with ``tail`` set, a block in a block table is quantized only once full, and a sequence's
-    partial last block lives in its tail slot, not in the pool."""
+    with a tail, a block in a block table is quantized only once full, and a sequence's partial
+    last block lives in its tail slot, not in the pool."""
 
     kind: str  # kv_quant.KIND_CODES key
     data: torch.Tensor  # [num_blocks, 2 * kv_heads, block_size, row]
@@ -91,20 +112,65 @@ class LayerKV:
     checked: int = 0  # elements that passed through static scales
     key_rotation: torch.Tensor | None = None  # [dim, dim] orthonormal: keys stored as k @ R (q too)
 
+    keeps_tail_block: ClassVar[bool] = False
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        """A pool for ``shape`` (torch.empty: pages are only touched when a block is first written)."""
+        raise NotImplementedError
+
     @classmethod
     def float_pool(cls, data: torch.Tensor) -> LayerKV:
         """A plain float pool (no scales, no tail) over ``data``."""
-        return cls(float_kind(data.dtype), data, None, None, 1.0, None,
-                   torch.zeros((), dtype=torch.long, device=data.device))
+        return FloatKV(float_kind(data.dtype), data, None, None, 1.0, None,
+                       torch.zeros((), dtype=torch.long, device=data.device))
 
     @property
     def direct(self) -> bool:
         """Stored in a float dtype with no scales: kernels read it as-is."""
-        return self.kind in FLOAT_KINDS and self.tail is None
+        return False
+
+    def holds_as_is(self, dtype: torch.dtype) -> bool:
+        """The pool holds K/V in exactly ``dtype`` with no scales: the fused rotary + cache-write op
+        stores into it, and the float kernels read it, as it is."""
+        return self.direct and self.data.dtype == dtype
 
     @property
     def per_block_key_scales(self) -> bool:
         return self.key_scales is not None and self.key_scales.dim() >= 3
+
+    def per_block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block id first: what one block's copy must move."""
+        return [t for t in (self.data, self.value_scales, self.key_scales)
+                if t is not None and (t is not self.key_scales or self.per_block_key_scales)]
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
+        """key/value [T, kv_heads, dim]: this step's new tokens, into their slots."""
+        raise NotImplementedError
+
+    def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Blocks ``ids`` (their rows ``data`` = self.data[ids]) as float32 [N, 2*kv_heads, block_size, dim]."""
+        raise NotImplementedError
+
+    def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tail_slots: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized blocks of each sequence: [batch, width, 2*kv_heads, block_size, dim] in
+        ``dtype``, a sequence's partial last block read from its tail slot. The torch path (and
+        the reference the C++ kernels are tested against)."""
+        batch, width = block_tables.shape
+        flat = block_tables.reshape(-1)
+        out = self.dequantize(self.data.index_select(0, flat), flat).to(dtype)
+        out = out.view(batch, width, *out.shape[1:])
+        if self.tail is not None and tail_slots is not None:
+            block_size = out.shape[3]
+            for b in range(batch):
+                length = int(seq_lens[b])
+                if length % block_size:
+                    out[b, length // block_size] = self.tail[int(tail_slots[b])].transpose(0, 1).to(dtype)
+        return out
+
+    # ------------------------------------------------------------------ shared by quantized formats
 
     def _value_scales(self, v: torch.Tensor) -> torch.Tensor:
         if self.value_scale_override is not None:
@@ -128,100 +194,244 @@ class LayerKV:
             self.checked += k.numel() + (v.numel() if self.value_scale_override is not None else 0)
         return torch.cat((kq.codes, vq.codes), dim=-2), vs
 
+    def _store_per_token(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
+        """Quantize each token with static key scales and store it (and its value scales) at once."""
+        assert self.key_scales is not None
+        if self.key_rotation is not None:
+            key = key.float() @ self.key_rotation
+        codes, vs = self._quantize_kv(key, value, self.key_scales)
+        self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, codes.view(-1, codes.shape[-1]))
+        if vs is not None:
+            assert self.value_scales is not None and index.scale_rows is not None
+            self.value_scales.view(-1, vs.shape[-1]).index_copy_(0, index.scale_rows, vs.view(-1, vs.shape[-1]))
+
+
+KV_FORMATS: dict[tuple[str, str], type[LayerKV]] = {}
+
+
+def register(*keys: tuple[str, str]) -> Callable[[type[LayerKV]], type[LayerKV]]:
+    """Register a format class for (KV kind, key-scale mode) pairs."""
+    def add(cls: type[LayerKV]) -> type[LayerKV]:
+        for key in keys:
+            KV_FORMATS[key] = cls
+        return cls
+    return add
+
+
+def format_class(kind: str, key_scale_mode: str) -> type[LayerKV]:
+    """The class that stores ``kind`` with ``key_scale_mode`` (kv_format.KEY_SCALE_MODES)."""
+    try:
+        return KV_FORMATS[(kind, key_scale_mode)]
+    except KeyError:
+        raise ValueError(f"no KV format stores {kind!r} with {key_scale_mode!r} key scales") from None
+
+
+def _pool(kind: str, shape: PoolShape) -> torch.Tensor:
+    size = (shape.num_blocks, 2 * shape.num_kv_heads, shape.block_size)
+    if kind in FLOAT_KINDS:
+        return torch.empty((*size, shape.head_dim), dtype=FLOAT_KINDS[kind], device=shape.device)
+    return torch.empty((*size, row_bytes(kind, shape.head_dim)), dtype=torch.uint8, device=shape.device)
+
+
+@register(*((kind, mode) for kind in FLOAT_KINDS for mode in KEY_SCALE_MODES))
+class FloatKV(LayerKV):
+    """fp32 / fp16 / bf16: K/V cast to the pool's dtype, no scales."""
+
+    __slots__ = ()
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        return cls(kind, _pool(kind, shape), None, None, 1.0, None, clipped)
+
+    @property
+    def direct(self) -> bool:
+        return True
+
     def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
-        """key/value [T, kv_heads, dim]: this step's new tokens, into their slots."""
-        kv_heads = key.shape[1]
-        if self.direct:
-            rows = torch.cat((key, value), dim=1).to(self.data.dtype)
-            self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, rows.view(-1, rows.shape[-1]))
-            return
-        if self.tail is None:
-            assert self.key_scales is not None
-            if self.key_rotation is not None:
-                key = key.float() @ self.key_rotation
-            codes, vs = self._quantize_kv(key, value, self.key_scales)
-            self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, codes.view(-1, codes.shape[-1]))
-            if vs is not None:
-                assert self.value_scales is not None and index.scale_rows is not None
-                self.value_scales.view(-1, vs.shape[-1]).index_copy_(0, index.scale_rows, vs.view(-1, vs.shape[-1]))
-            return
+        rows = torch.cat((key, value), dim=1).to(self.data.dtype)
+        self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, rows.view(-1, rows.shape[-1]))
+
+    def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return data.float()
+
+    def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tail_slots: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+        out = self.data.index_select(0, block_tables.reshape(-1)).to(dtype)  # no float32 detour
+        return out.view(*block_tables.shape, *out.shape[1:])
+
+
+@register(*((kind, mode) for kind in FP8_TYPES for mode in KEY_SCALE_MODES))
+class Fp8KV(LayerKV):
+    """fp8: static per-layer K and V scales; keys stored Hadamard-rotated (the query is rotated alike)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        k_scale, v_scale = (1.0, 1.0) if quant.fp8_scales is None else map(float, quant.fp8_scales[layer])
+        key_scales = torch.full((shape.num_kv_heads, shape.head_dim), k_scale, dtype=torch.float32,
+                                device=shape.device)
+        power_of_two = shape.head_dim & (shape.head_dim - 1) == 0
+        rotation = hadamard(shape.head_dim).to(shape.device) if power_of_two else None
+        return cls(kind, _pool(kind, shape), key_scales, None, v_scale, None, clipped, key_rotation=rotation)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
+        self._store_per_token(key, value, index)
+
+    def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.key_scales is not None
+        kv_heads = data.shape[1] // 2
+        k = dequantize(data[:, :kv_heads], self.key_scales[None, :, None], self.kind)
+        v = dequantize(data[:, kv_heads:], torch.tensor(self.v_scale), self.kind)
+        return torch.cat((k, v), dim=1)
+
+
+@register(("int8", "static"))
+class Int8StaticKV(LayerKV):
+    """int8 with a calibrated static key table per (KV head, channel); values per token."""
+
+    __slots__ = ()
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        assert quant.key_scales is not None
+        key_scales = (quant.key_scales[layer] / QMAX[kind]).float().to(shape.device).contiguous()
+        return cls(kind, _pool(kind, shape), key_scales, _int8_value_scales(shape), 1.0, None, clipped,
+                   quant.value_scale_override)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
+        self._store_per_token(key, value, index)
+
+    def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.key_scales is not None and self.value_scales is not None
+        kv_heads = data.shape[1] // 2
+        k = dequantize(data[:, :kv_heads], self.key_scales[None, :, None], self.kind)
+        v = dequantize(data[:, kv_heads:], self.value_scales.index_select(0, ids), self.kind)
+        return torch.cat((k, v), dim=1)
+
+
+def _int8_value_scales(shape: PoolShape) -> torch.Tensor:
+    return torch.empty((shape.num_blocks, shape.num_kv_heads, shape.block_size, 1), dtype=torch.float32,
+                       device=shape.device)
+
+
+def _tail(data: torch.Tensor, shape: PoolShape) -> torch.Tensor:
+    """The pool's own bytes seen as tail slots [slots, block_size, 2*kv_heads, dim] in the model
+    dtype: slot i is blocks [i*n, (i+1)*n) with n = tail bytes / a block's codes (see
+    kv_format.tail_blocks), so a tail costs n blocks of the one budget, taken on demand."""
+    tail_bytes = shape.block_size * 2 * shape.num_kv_heads * shape.head_dim * shape.model_dtype.itemsize
+    block_bytes = data[0].numel() * data.element_size()
+    assert tail_bytes % block_bytes == 0, "a tail block spans a whole number of pool blocks"
+    run = tail_bytes // block_bytes
+    slots = shape.num_blocks // run
+    raw = data.view(-1)[: slots * run * data[0].numel()]
+    return raw.view(shape.model_dtype).view(slots, shape.block_size, 2 * shape.num_kv_heads, shape.head_dim)
+
+
+class TailKV(LayerKV):
+    """Formats whose key scales need a block's keys complete: a sequence's partial last block
+    waits in its full-precision tail slot, and a block is quantized in the step that fills it."""
+
+    __slots__ = ()
+    keeps_tail_block = True
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
         plan = index.tail
-        assert plan is not None
+        assert plan is not None and self.tail is not None
         new = torch.cat((key, value), dim=1).to(self.tail.dtype)  # [T, 2*kv_heads, dim]
         tail = self.tail.view(-1, *new.shape[1:])
         tail.index_copy_(0, plan.pre_rows, new.index_select(0, plan.pre_tokens))
         if plan.block_ids.numel():
-            self._quantize_blocks(new, tail, plan, kv_heads)
+            num, block_size = plan.block_ids.numel(), self.data.shape[2]
+            stage = new.new_empty((num * block_size, *new.shape[1:]))
+            stage.index_copy_(0, plan.stage_token_rows, new.index_select(0, plan.stage_tokens))
+            stage.index_copy_(0, plan.stage_from_tail, tail.index_select(0, plan.stage_tail_rows))
+            stage = stage.view(num, block_size, *new.shape[1:])
+            kv_heads = key.shape[1]
+            self.quantize_blocks(stage[:, :, :kv_heads], stage[:, :, kv_heads:], plan.block_ids)
         tail.index_copy_(0, plan.post_rows, new.index_select(0, plan.post_tokens))
 
-    def _quantize_blocks(self, new: torch.Tensor, tail: torch.Tensor, plan: TailPlan, kv_heads: int) -> None:
-        """Quantize the blocks that filled in this step into the pool."""
-        num, block_size = plan.block_ids.numel(), self.data.shape[2]
-        stage = new.new_empty((num * block_size, *new.shape[1:]))
-        stage.index_copy_(0, plan.stage_token_rows, new.index_select(0, plan.stage_tokens))
-        stage.index_copy_(0, plan.stage_from_tail, tail.index_select(0, plan.stage_tail_rows))
-        stage = stage.view(num, block_size, 2 * kv_heads, -1)
-        k, v = stage[:, :, :kv_heads], stage[:, :, kv_heads:]
-        assert self.key_scales is not None and self.value_scales is not None
-        if self.kind == "int4":  # asymmetric: keys per block and channel, values per token and group
-            k_step, k_low = affine_params(k.float(), dim=1)  # [num, kv_heads, dim]
-            groups = self.value_scales.shape[3]
-            v_step, v_low = affine_params(grouped(v.float(), groups), dim=-1)  # [num, bs, kv_heads, groups]
-            k_codes = pack_int4(int4_codes(k, k_step[:, None], k_low[:, None]))
-            v_codes = pack_int4(int4_codes(grouped(v, groups), v_step[..., None], v_low[..., None]).flatten(-2))
-            self.key_scales.index_copy_(0, plan.block_ids, torch.stack((k_step, k_low), dim=2))
-            self.value_scales.index_copy_(0, plan.block_ids, torch.stack((v_step, v_low), dim=-1).transpose(1, 2))
-            self.data.index_copy_(0, plan.block_ids, torch.cat((k_codes, v_codes), dim=2).transpose(1, 2))
-            return
-        if self.per_block_key_scales:
-            scales = channel_scales(k, self.kind, dim=1)  # [num, kv_heads, dim]
-            self.key_scales.index_copy_(0, plan.block_ids, scales)
-            key_scales = scales[:, None]
-        else:
-            key_scales = self.key_scales
-        codes, vs = self._quantize_kv(k, v, key_scales)
-        assert vs is not None
-        self.data.index_copy_(0, plan.block_ids, codes.transpose(1, 2))
-        self.value_scales.index_copy_(0, plan.block_ids, vs.transpose(1, 2))
+    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """k, v [num, block_size, kv_heads, dim]: whole blocks, into the pool at ``block_ids``."""
+        raise NotImplementedError
 
-    def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tail_slots: torch.Tensor | None,
-               dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized blocks of each sequence: [batch, width, 2*kv_heads, block_size, dim] in
-        ``dtype``, a sequence's partial last block read from its tail slot. The torch path (and
-        the reference the C++ kernels are tested against)."""
-        batch, width = block_tables.shape
-        flat = block_tables.reshape(-1)
-        data = self.data.index_select(0, flat)  # [B*W, 2H, bs, row]
+
+@register(("int8", "block"))
+class Int8BlockKV(TailKV):
+    """int8 with key scales per (block, KV head, channel), computed when the block fills."""
+
+    __slots__ = ()
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        key_scales = torch.empty((shape.num_blocks, shape.num_kv_heads, shape.head_dim), dtype=torch.float32,
+                                 device=shape.device)
+        data = _pool(kind, shape)
+        return cls(kind, data, key_scales, _int8_value_scales(shape), 1.0, _tail(data, shape), clipped,
+                   quant.value_scale_override)
+
+    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
+        assert self.key_scales is not None and self.value_scales is not None
+        scales = channel_scales(k, self.kind, dim=1)  # [num, kv_heads, dim]
+        self.key_scales.index_copy_(0, block_ids, scales)
+        codes, vs = self._quantize_kv(k, v, scales[:, None])
+        assert vs is not None
+        self.data.index_copy_(0, block_ids, codes.transpose(1, 2))
+        self.value_scales.index_copy_(0, block_ids, vs.transpose(1, 2))
+
+    def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.key_scales is not None and self.value_scales is not None
         kv_heads = data.shape[1] // 2
-        if self.kind in FLOAT_KINDS:
-            out = data.to(dtype)
-        elif self.kind == "int4":
-            assert self.key_scales is not None and self.value_scales is not None
-            affine = self.key_scales.index_select(0, flat)[:, :, None]  # [B*W, H, 1, 2, D]
-            k = from_int4_codes(unpack_int4(data[:, :kv_heads]), affine[..., 0, :], affine[..., 1, :])
-            v_affine = self.value_scales.index_select(0, flat)  # [B*W, H, bs, G, 2]
-            v_codes = grouped(unpack_int4(data[:, kv_heads:]), v_affine.shape[3])
-            v = from_int4_codes(v_codes, v_affine[..., 0:1], v_affine[..., 1:2]).flatten(-2)
-            out = torch.cat((k, v), dim=1).to(dtype)
-        else:
-            assert self.key_scales is not None
-            ks = self.key_scales.index_select(0, flat)[:, :, None] if self.per_block_key_scales \
-                else self.key_scales[None, :, None]
-            k = dequantize(data[:, :kv_heads], ks, self.kind)
-            if self.value_scales is None:
-                v = dequantize(data[:, kv_heads:], torch.tensor(self.v_scale), self.kind)
-            else:
-                v = dequantize(data[:, kv_heads:], self.value_scales.index_select(0, flat), self.kind)
-            out = torch.cat((k, v), dim=1).to(dtype)
-        out = out.view(batch, width, *out.shape[1:])
-        if self.tail is not None and tail_slots is not None:
-            block_size = out.shape[3]
-            for b in range(batch):
-                length = int(seq_lens[b])
-                if length % block_size:
-                    last = length // block_size
-                    out[b, last] = self.tail[int(tail_slots[b])].transpose(0, 1).to(dtype)
-        return out
+        k = dequantize(data[:, :kv_heads], self.key_scales.index_select(0, ids)[:, :, None], self.kind)
+        v = dequantize(data[:, kv_heads:], self.value_scales.index_select(0, ids), self.kind)
+        return torch.cat((k, v), dim=1)
+
+
+@register(("int4", "static"), ("int4", "block"))
+class Int4KV(TailKV):
+    """int4, asymmetric (float16 step + minimum): keys per (block, KV head, channel), values per
+    (token, KV head, group of channels); two codes per byte."""
+
+    __slots__ = ()
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        heads, dim, device = shape.num_kv_heads, shape.head_dim, shape.device
+        key_scales = torch.empty((shape.num_blocks, heads, 2, dim), dtype=torch.float16, device=device)
+        value_scales = torch.empty((shape.num_blocks, heads, shape.block_size, value_groups(kind, dim), 2),
+                                   dtype=torch.float16, device=device)
+        data = _pool(kind, shape)
+        return cls(kind, data, key_scales, value_scales, 1.0, _tail(data, shape), clipped)
+
+    @property
+    def per_block_key_scales(self) -> bool:
+        return True
+
+    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
+        assert self.key_scales is not None and self.value_scales is not None
+        k_step, k_low = affine_params(k.float(), dim=1)  # [num, kv_heads, dim]
+        groups = self.value_scales.shape[3]
+        v_step, v_low = affine_params(grouped(v.float(), groups), dim=-1)  # [num, bs, kv_heads, groups]
+        k_codes = pack_int4(int4_codes(k, k_step[:, None], k_low[:, None]))
+        v_codes = pack_int4(int4_codes(grouped(v, groups), v_step[..., None], v_low[..., None]).flatten(-2))
+        self.key_scales.index_copy_(0, block_ids, torch.stack((k_step, k_low), dim=2))
+        self.value_scales.index_copy_(0, block_ids, torch.stack((v_step, v_low), dim=-1).transpose(1, 2))
+        self.data.index_copy_(0, block_ids, torch.cat((k_codes, v_codes), dim=2).transpose(1, 2))
+
+    def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.key_scales is not None and self.value_scales is not None
+        kv_heads = data.shape[1] // 2
+        affine = self.key_scales.index_select(0, ids)[:, :, None]  # [N, H, 1, 2, D]
+        k = from_int4_codes(unpack_int4(data[:, :kv_heads]), affine[..., 0, :], affine[..., 1, :])
+        v_affine = self.value_scales.index_select(0, ids)  # [N, H, bs, G, 2]
+        v_codes = grouped(unpack_int4(data[:, kv_heads:]), v_affine.shape[3])
+        v = from_int4_codes(v_codes, v_affine[..., 0:1], v_affine[..., 1:2]).flatten(-2)
+        return torch.cat((k, v), dim=1)
 
 
 class KVQuantSpec(NamedTuple):
@@ -248,8 +458,7 @@ class PagedKVCache:
     """Every layer's pool; block 0 (the null block) is zero-filled."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, quant: KVQuantSpec | None = None,
-                 num_tail_slots: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, quant: KVQuantSpec | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_dtype = dtype
@@ -257,60 +466,39 @@ class PagedKVCache:
         quant = quant or KVQuantSpec(model_kind)
         # one clip counter for every layer (each adds to it in place): reading it is one sync
         self.clipped = torch.zeros((), dtype=torch.long, device=device)
+        shape = PoolShape(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.layers: list[LayerKV] = []
         for layer in range(num_layers):
             kind = quant.layer_kind(layer, model_kind)
-            shape = (num_blocks, 2 * num_kv_heads, block_size)
-            # torch.empty: pages are only touched when a block is first written.
-            if kind in FLOAT_KINDS:
-                data = torch.empty((*shape, head_dim), dtype=FLOAT_KINDS[kind], device=device)
-            else:
-                data = torch.empty((*shape, row_bytes(kind, head_dim)), dtype=torch.uint8, device=device)
-            key_scales = value_scales = tail = rotation = None
-            v_scale = 1.0
-            if kind == "int4":
-                key_scales = torch.empty((num_blocks, num_kv_heads, 2, head_dim), dtype=torch.float16, device=device)
-                value_scales = torch.empty((num_blocks, num_kv_heads, block_size, value_groups(kind, head_dim), 2),
-                                           dtype=torch.float16, device=device)
-            elif kind == "int8":
-                value_scales = torch.empty((num_blocks, num_kv_heads, block_size, 1), dtype=torch.float32,
-                                           device=device)
-                if quant.key_scales is not None:
-                    key_scales = (quant.key_scales[layer] / QMAX[kind]).float().to(device).contiguous()
-                else:
-                    key_scales = torch.empty((num_blocks, num_kv_heads, head_dim), dtype=torch.float32, device=device)
-            elif kind not in FLOAT_KINDS:  # fp8
-                k_scale, v_scale = (1.0, 1.0) if quant.fp8_scales is None else map(float, quant.fp8_scales[layer])
-                key_scales = torch.full((num_kv_heads, head_dim), k_scale, dtype=torch.float32, device=device)
-                if head_dim & (head_dim - 1) == 0:
-                    rotation = hadamard(head_dim).to(device)
-            if keeps_tail_block(kind, quant.key_scale_mode):
-                tail = torch.zeros((num_tail_slots, block_size, 2 * num_kv_heads, head_dim), dtype=dtype,
-                                   device=device)
-            self.layers.append(LayerKV(kind, data, key_scales, value_scales, v_scale, tail, self.clipped,
-                                       quant.value_scale_override if kind == "int8" else None,
-                                       key_rotation=rotation))
+            cls = format_class(kind, quant.key_scale_mode)
+            self.layers.append(cls.allocate(kind, shape, quant, layer, self.clipped))
         self.zeroed_up_to = -1
         self.zero_new_blocks(0)
 
     @property
     def uses_tail(self) -> bool:
-        return any(layer.tail is not None for layer in self.layers)
+        return any(layer.keeps_tail_block for layer in self.layers)
 
     @property
     def uses_value_scales(self) -> bool:
-        return any(layer.value_scales is not None and layer.tail is None for layer in self.layers)
+        """Some layer stores per-token value scales as it writes (the step needs their rows)."""
+        return any(layer.value_scales is not None and not layer.keeps_tail_block for layer in self.layers)
 
     def _per_block(self) -> list[torch.Tensor]:
-        tensors = []
-        for layer in self.layers:
-            tensors.append(layer.data)
-            if layer.value_scales is not None:
-                tensors.append(layer.value_scales)
-            if layer.per_block_key_scales:
-                assert layer.key_scales is not None
-                tensors.append(layer.key_scales)
-        return tensors
+        return [tensor for layer in self.layers for tensor in layer.per_block_tensors()]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` onto block ``dst`` for each (src, dst), every layer, in its stored
+        format (codes and per-block scales alike). Sources hold data, so they were zeroed when
+        handed out; destinations are zeroed first here, so a later first-use zeroing cannot wipe
+        the copy."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.clipped.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.clipped.device)
+        self.zero_new_blocks(int(dst.max()))
+        for tensor in self._per_block():
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def zero_new_blocks(self, max_block_id: int) -> None:
         """Zero blocks up to ``max_block_id`` on first use. The pool hands out never-used blocks
@@ -328,9 +516,15 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the block pools (data and per-block scales), excluding tail slots."""
+        """Bytes of the block pools (data and per-block scales); tail slots live inside them."""
         return sum(t.numel() * t.element_size() for t in self._per_block())
 
-    @property
-    def tail_nbytes(self) -> int:
-        return sum(layer.tail.numel() * layer.tail.element_size() for layer in self.layers if layer.tail is not None)
+    def zero_tail_slots(self, slots: list[int]) -> None:
+        """Zero newly handed-out tail slots: their blocks may hold old codes, which read as floats
+        could be NaN bit patterns (a slot's unwritten rows are read, masked, like a block's)."""
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.clipped.device)
+        for layer in self.layers:
+            if layer.tail is not None:
+                layer.tail.index_fill_(0, index, 0)

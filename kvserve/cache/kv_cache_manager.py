@@ -64,10 +64,10 @@ class KVCacheStats:
     blocks_free: int
     blocks_cached: int
     live_tokens: int  # physical: slots holding a token (a shared block counts once)
-    allocated_slots: int  # blocks_used * block_size
+    allocated_slots: int  # block_size * blocks in block tables (blocks_used less tail blocks)
     num_requests: int
     logical_tokens: int = 0  # sum of every running request's tokens (a shared block counts per holder)
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # counted by the engine (the scheduler reports them)
     peak_blocks_used: int = 0
     peak_live_tokens: int = 0
     peak_num_requests: int = 0
@@ -77,8 +77,8 @@ class KVCacheStats:
     prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(enabled=False))
     kv_cache_dtype: str = ""  # set by the engine
     clip_ratio: float = 0.0  # elements clipped by static KV scales / elements checked (drift watch)
-    tail_slots_used: int = 0  # full-precision tail blocks held by running sequences (int4, per-block int8)
-    tail_slots_total: int = 0
+    tail_slots_used: int = 0  # running sequences holding a full-precision tail block (int4, per-block int8)
+    tail_blocks_used: int = 0  # pool blocks those tails take (counted in blocks_used, not in allocated_slots)
 
     @property
     def usage(self) -> float:
@@ -105,7 +105,7 @@ class KVCacheStats:
         return self.peak_blocks_used / self.num_blocks if self.num_blocks else 0.0
 
     def __str__(self) -> str:
-        tails = f", tail slots {self.tail_slots_used}" if self.tail_slots_used or self.tail_slots_total else ""
+        tails = f", {self.tail_blocks_used} in tail blocks" if self.tail_blocks_used else ""
         return (
             f"KV cache: usage {100 * self.usage:.1f}% ({self.blocks_used}/{self.num_blocks} blocks used, "
             f"{self.blocks_free} free, {self.blocks_cached} cached{tails}), live tokens {self.live_tokens} "
@@ -129,9 +129,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_tail_slots: int = 0) -> None:
-        """``num_tail_slots``: full-precision tail blocks for pools that keep one per sequence
-        (see kv_cache.LayerKV); every request holding blocks then holds one slot."""
+                 tail_blocks: int = 0) -> None:
+        """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
+        (kv_format.tail_blocks), the aligned run of pool blocks that holds one; every request
+        holding blocks then holds one run, taken with its first blocks and freed with them."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -139,13 +140,12 @@ class KVCacheManager:
         self.num_tokens: dict[str, int] = {}
         self.block_hashes: dict[str, list[bytes]] = {}  # keys of a request's full blocks so far
         self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
-        self.num_tail_slots = num_tail_slots
-        self.free_tail_slots = list(range(num_tail_slots - 1, -1, -1))
-        self.tail_slots: dict[str, int] = {}
+        self.tail_blocks = tail_blocks
+        self.tails: dict[str, list[KVCacheBlock]] = {}
+        self.new_tail_slots: list[int] = []  # handed out since the runner last zeroed them
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._logical_tokens = 0
-        self.num_preemptions = 0
         self._peak_blocks = 0
         self._peak_live = 0
         self._peak_requests = 0
@@ -155,13 +155,16 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_usable_blocks * self.block_size
+        """Tokens one sequence can hold in an otherwise empty pool (its tail run included)."""
+        if self.tail_blocks and self.pool.num_blocks < 2 * self.tail_blocks:
+            return 0  # no aligned run besides the null block's
+        return (self.pool.num_usable_blocks - self.tail_blocks) * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= self.pool.num_usable_blocks
+        return num_tokens <= self.capacity_tokens
 
     def _hashes(self, request_id: str, tokens: TokenReader, num_blocks: int) -> list[bytes]:
         """Keys of the request's first ``num_blocks`` full blocks (computed once, then kept)."""
@@ -205,15 +208,19 @@ class KVCacheManager:
             table = list(cached or [])
         elif cached:
             raise ValueError(f"request {request_id!r} already has blocks; cached blocks start a table")
+        new = request_id not in self.block_tables
         missing = self.blocks_needed(num_tokens) - len(table)
         reviving = sum(1 for block in cached or [] if block.ref_cnt == 0)  # leave the free queue
-        if missing > self.pool.num_free_blocks - reviving:
+        tail_cost = self.tail_blocks if new else 0
+        if missing + tail_cost > self.pool.num_free_blocks - reviving:
             return False
-        if request_id not in self.block_tables:
-            if self.num_tail_slots:
-                if not self.free_tail_slots:
+        if new:
+            if tail_cost:
+                tail = self.pool.get_aligned_run(tail_cost, {block.block_id for block in table})
+                if tail is None:
                     return False
-                self.tail_slots[request_id] = self.free_tail_slots.pop()
+                self.tails[request_id] = tail
+                self.new_tail_slots.append(tail[0].block_id // tail_cost)
             self.pool.touch(table)
             self.block_tables[request_id] = table
             self.num_published[request_id] = len(table)
@@ -246,10 +253,8 @@ class KVCacheManager:
         table = self.block_tables.pop(request_id, [])
         self._logical_tokens -= self.num_tokens.pop(request_id, 0)
         self.num_published.pop(request_id, None)
-        slot = self.tail_slots.pop(request_id, None)
-        if slot is not None:
-            self.free_tail_slots.append(slot)
         self.pool.free_blocks(table[::-1])
+        self.pool.free_blocks(self.tails.pop(request_id, []))
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's remembered block keys."""
@@ -263,7 +268,18 @@ class KVCacheManager:
             evictions=self.pool.num_evictions)
 
     def tail_slot(self, request_id: str) -> int:
-        return self.tail_slots[request_id]
+        """Index of the request's tail run in the pool viewed as runs of tail_blocks blocks."""
+        return self.tails[request_id][0].block_id // self.tail_blocks
+
+    def take_new_tail_slots(self) -> list[int]:
+        """Tail slots handed out since the last call (their blocks may hold old codes: zero them)."""
+        slots, self.new_tail_slots = self.new_tail_slots, []
+        return slots
+
+    @property
+    def table_blocks_used(self) -> int:
+        """Blocks held by block tables (tail runs excluded)."""
+        return self.pool.num_used_blocks - len(self.tails) * self.tail_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.block_tables[request_id]]
@@ -282,7 +298,7 @@ class KVCacheManager:
     def record_step(self) -> None:
         """Update peak and mean figures; called once per engine step."""
         used = self.pool.num_used_blocks
-        allocated = used * self.block_size
+        allocated = self.table_blocks_used * self.block_size
         live = self.physical_tokens
         util = live / allocated if allocated else 1.0
         if used:
@@ -302,10 +318,9 @@ class KVCacheManager:
             blocks_free=self.pool.num_free_blocks,
             blocks_cached=self.pool.num_cached_blocks,
             live_tokens=self.physical_tokens,
-            allocated_slots=used * self.block_size,
+            allocated_slots=self.table_blocks_used * self.block_size,
             num_requests=len(self.block_tables),
             logical_tokens=self._logical_tokens,
-            num_preemptions=self.num_preemptions,
             peak_blocks_used=self._peak_blocks,
             peak_live_tokens=self._peak_live,
             peak_num_requests=self._peak_requests,
@@ -313,6 +328,6 @@ class KVCacheManager:
             mean_utilization=self._util_sum / self._util_samples if self._util_samples else 1.0,
             per_request_blocks={rid: len(t) for rid, t in self.block_tables.items()},
             prefix_cache=self.prefix_cache_stats(),
-            tail_slots_used=len(self.tail_slots),
-            tail_slots_total=self.num_tail_slots,
+            tail_slots_used=len(self.tails),
+            tail_blocks_used=len(self.tails) * self.tail_blocks,
         )

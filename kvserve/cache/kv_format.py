@@ -101,13 +101,21 @@ def keeps_tail_block(kv_dtype: str, key_scales: str = "static") -> bool:
     return kv_dtype == "int4" or (kv_dtype == "int8" and key_scales == "block")
 
 
-def kv_sequence_extra_bytes(layout: KVLayout, num_layers: int, kv_dtype: str, block_size: int,
-                            full_dtype: str, key_scales: str = "static") -> int:
-    """Per running sequence, beyond its blocks: the not-yet-full tail block kept in ``full_dtype``
-    (see keeps_tail_block)."""
+def tail_blocks(kv_dtype: str, full_dtype: str, key_scales: str = "static") -> int:
+    """Pool blocks that one running sequence's full-precision tail block takes (0 for formats
+    without one, see keeps_tail_block). The tail lives in the pool's own memory: ``n`` aligned
+    blocks whose codes span exactly its bytes (n = full bits / stored bits: 2, 4 or 8), taken
+    when the sequence starts and returned when it ends, so tails and blocks share one budget."""
     if not keeps_tail_block(kv_dtype, key_scales):
         return 0
-    return kv_block_bytes(layout, num_layers, full_dtype, block_size)
+    return _ELEMENT_BITS[full_dtype] // _ELEMENT_BITS[kv_dtype]
+
+
+def kv_sequence_extra_bytes(layout: KVLayout, num_layers: int, kv_dtype: str, block_size: int,
+                            full_dtype: str, key_scales: str = "static") -> int:
+    """Per running sequence, beyond its blocks: its tail block, as the pool blocks it takes."""
+    return tail_blocks(kv_dtype, full_dtype, key_scales) * kv_block_bytes(layout, num_layers, kv_dtype, block_size,
+                                                                         key_scales)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:

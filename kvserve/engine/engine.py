@@ -16,26 +16,25 @@ from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
 from kvserve.cache.kv_format import (
     KVLayout,
     kv_block_bytes,
-    kv_sequence_extra_bytes,
     normalize_kv_dtype,
     num_blocks_for_budget,
+    tail_blocks,
 )
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
+from kvserve.cache.kv_scales import KVScales, model_fingerprint
 from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
+from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
-from kvserve.plan.memory import estimate_activation_bytes
-from kvserve.quant.scales import KVScales, model_fingerprint
 
 logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-TAIL_SHARE = 0.1  # most of the KV budget that int4's / per-block int8's tail blocks may take
 CLIP_WARN_RATIO = 0.001  # drift watch: warn once when more than this share of K/V is clipped
 
 
@@ -45,7 +44,7 @@ class LoadedModel(NamedTuple):
     model: LlamaForCausalLM
     tokenizer: Any | None
     weight_bytes: int
-    fingerprint: str  # see kvserve.quant.scales.model_fingerprint
+    fingerprint: str  # see kvserve.cache.kv_scales.model_fingerprint
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -111,23 +110,22 @@ class LLMEngine:
         kinds = [self.kv_quant.layer_kind(i, model_kind) for i in range(model_config.num_layers)]
         self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, config.block_size, key_scales) for kind in kinds)
         self.kv_bytes_per_token = self.kv_block_bytes // config.block_size
-        # pools that keep a full-precision tail block per running sequence reserve one per max_num_seqs
-        self.kv_tail_bytes = sum(kv_sequence_extra_bytes(layout, 1, kind, config.block_size, model_kind, key_scales)
-                                 for kind in kinds)
-        self.num_tail_slots = 0  # set by _size_pool for formats with tail blocks
+        # formats that keep a full-precision tail block per running sequence take it from the pool:
+        # an aligned run of tail_blocks blocks (the planner counts the same, kv_sequence_extra_bytes)
+        self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
+        self.kv_tail_bytes = self.tail_blocks * self.kv_block_bytes
         self.num_blocks = self._size_pool()
-        num_tail_slots = self.num_tail_slots
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, self.dtype, self.device, self.kv_quant, num_tail_slots)
+            model_config.head_dim, self.dtype, self.device, self.kv_quant)
         self._clip_warned = False
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         num_tail_slots)
-        # with tail blocks, each running sequence holds one: their number caps the batch
-        self.scheduler = Scheduler(self.kv_manager, num_tail_slots or config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.scheduling_policy)
+                                         self.tail_blocks)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # requests sent back to the queue (recompute), since start-up
         self._arrivals = itertools.count()
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -190,24 +188,15 @@ class LLMEngine:
                       f"- weights {format_bytes(self.weight_bytes)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
-        if self.kv_tail_bytes:
-            # one full-precision tail block per running sequence, for up to max_num_seqs sequences
-            # but at most TAIL_SHARE of the budget: each running sequence holds one, so this caps
-            # the running batch (logged), instead of a small pool giving most of itself to tails
-            self.num_tail_slots = min(cfg.max_num_seqs, max(1, int(budget * TAIL_SHARE) // self.kv_tail_bytes))
-            tails = self.num_tail_slots * self.kv_tail_bytes
-            budget -= tails
-            source += f" - full-precision tail blocks {format_bytes(tails)} for {self.num_tail_slots} sequences"
-            if self.num_tail_slots < cfg.max_num_seqs:
-                logger.warning("at most %d sequences run at once (not max_num_seqs=%d): their full-precision "
-                               "tail blocks may take %d%% of the KV budget", self.num_tail_slots, cfg.max_num_seqs,
-                               round(100 * TAIL_SHARE))
         num_blocks = num_blocks_for_budget(budget, block_bytes)
-        if num_blocks < 2:
+        # the null block and one block of tokens, or with tails a run aligned past the null block's
+        needed = 2 * self.tail_blocks or 2
+        if num_blocks < needed:
             raise ConfigError(
                 f"{source} is smaller than one KV block of {cfg.block_size} tokens "
-                f"({format_bytes(2 * block_bytes)} needed with the reserved null block)")
-        capacity = (num_blocks - 1) * cfg.block_size
+                f"({format_bytes(needed * block_bytes)} needed with the reserved null block"
+                f"{' and a full-precision tail block' if self.tail_blocks else ''})")
+        capacity = (num_blocks - 1 - self.tail_blocks) * cfg.block_size
         if capacity < self.max_model_len:
             if cfg.max_model_len is not None:
                 raise ConfigError(
@@ -222,6 +211,9 @@ class LLMEngine:
             num_blocks - 1, cfg.block_size, capacity, format_bytes(num_blocks * block_bytes),
             self.kv_cache_dtype, self.kv_bytes_per_token, source, self.max_model_len,
             capacity / self.max_model_len)
+        if self.tail_blocks:
+            logger.info("each running sequence's not-yet-full last block is kept in full precision in %d pool "
+                        "blocks, taken when it starts", self.tail_blocks)
         if self.kv_cache_dtype in ("int8", "int4", "fp8_e4m3", "fp8_e5m2"):
             logger.info("KV cache dtype %s: key scales %s", self.kv_cache_dtype,
                         "static per layer" if self.kv_cache_dtype.startswith("fp8") else
@@ -240,9 +232,10 @@ class LLMEngine:
         # Profile one max-size prefill against a throwaway pool sized for it.
         bs = cfg.block_size
         blocks = -(-tokens // bs) + 1
+        blocks += 2 * self.tail_blocks  # room for an aligned tail run
         scratch = PagedKVCache(mcfg.num_layers, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device,
-                               self.kv_quant, 1)
-        manager = KVCacheManager(blocks, bs, num_tail_slots=1 if scratch.uses_tail else 0)
+                               self.kv_quant)
+        manager = KVCacheManager(blocks, bs, tail_blocks=self.tail_blocks)
         runner = ModelRunner(self.model, scratch, manager, self.device)
         dummy = Request("profile", [0] * tokens, SamplingParams(max_tokens=1), -1)
         manager.allocate_slots("profile", tokens)
@@ -306,7 +299,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that advanced."""
-        chunks = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted)
+        if scheduled.block_copies:
+            self.kv_cache.copy_blocks(scheduled.block_copies)
+        chunks = scheduled.chunks
         if not chunks:
             return []
         sampled, result = self.runner.execute(chunks)
@@ -403,6 +400,7 @@ class LLMEngine:
 
     def kv_stats(self) -> KVCacheStats:
         stats = self.kv_manager.stats()
+        stats.num_preemptions = self.num_preemptions
         stats.kv_cache_dtype = self.kv_cache_dtype
         stats.clip_ratio = self.clip_ratio()
         return stats

@@ -54,7 +54,7 @@ class ModelRunner:
         if self.kv_cache.uses_tail:
             tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id) for c in chunks], device=self.device)
         if self.decode_kernel if query_len == 1 else self.prefill_kernel:
-            return AttentionGroup(token_start, len(chunks), query_len, block_tables, None, lens, fresh, None,
+            return AttentionGroup(token_start, len(chunks), query_len, block_tables, True, None, lens, fresh, None,
                                   tail_slots)
         kv_len = width * self.block_size
         # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it.
@@ -66,7 +66,8 @@ class ModelRunner:
             # measured on CPU: batched matmuls win for decode, SDPA's flash kernel for prefill
             cfg = self.model.config
             bias = attention_bias(mask, cfg.num_heads, cfg.num_kv_heads, self.dtype)
-        return AttentionGroup(token_start, len(chunks), query_len, block_tables, mask, lens, fresh, bias, tail_slots)
+        return AttentionGroup(token_start, len(chunks), query_len, block_tables, False, mask, lens, fresh, bias,
+                              tail_slots)
 
     def _tail_plan(self, chunks: list[ScheduledChunk]) -> TailPlan:
         """Moves for pools with tail slots (see TailPlan): a block is quantized in the step that
@@ -149,6 +150,7 @@ class ModelRunner:
             groups.append(self._group(by_len[n], offset))
             offset += n * len(by_len[n])
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
+        self.kv_cache.zero_tail_slots(self.kv.take_new_tail_slots())
         slot_mapping = torch.tensor(slots, device=self.device)
         kv_heads = self.model.config.num_kv_heads
         write = KVWriteIndex(

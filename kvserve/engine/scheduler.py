@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import SCHEDULING_POLICIES
@@ -30,6 +31,20 @@ class ScheduledChunk:
     def completes_sequence(self) -> bool:
         """True if after this step every known token is in the cache, so we sample."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+class SchedulerOutput(NamedTuple):
+    """One step's decisions. The engine runs ``block_copies`` (source, destination block ids:
+    moves that swapping and tiers ask for) before the forward pass, then the chunks, and counts
+    ``preempted`` (requests sent back to the queue this step, newest first)."""
+
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+    block_copies: list[tuple[int, int]]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
 
 
 class Scheduler:
@@ -54,24 +69,23 @@ class Scheduler:
     def _preempt_newest(self) -> Request:
         victim = self.running.pop()
         self.kv.free(victim.request_id)
-        self.kv.num_preemptions += 1
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         return victim
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted = False
+        victims: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n, request.token_ids):
-                preempted = True
-                if self._preempt_newest() is request:
+                victims.append(self._preempt_newest())
+                if victims[-1] is request:
                     break
             else:
                 chunks.append(ScheduledChunk(request, n))
@@ -80,6 +94,7 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; everything after it is gone too
         # Admit waiting requests only when nobody had to be preempted this step.
+        preempted = bool(victims)
         lpm = self.policy == "lpm" and len(self.waiting) > 1
         if lpm and not preempted and len(self.running) < self.max_num_seqs:
             self._order_by_cached_prefix()
@@ -102,7 +117,7 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
-        return chunks
+        return SchedulerOutput(chunks, victims, [])
 
     def _order_by_cached_prefix(self) -> None:
         """lpm: longest cached prefix first (stable, so arrival order among equals); requests

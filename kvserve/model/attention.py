@@ -33,16 +33,12 @@ class AttentionGroup:
     batch: int
     query_len: int
     block_tables: torch.Tensor  # [batch, max_blocks] physical block ids (0 = null block)
-    mask: torch.Tensor | None  # [batch, 1, query_len, max_blocks * block_size] True = attend; None: C++ kernel
+    uses_kernel: bool  # served by a C++ kernel (decode or prefill), which reads the pool in place
+    mask: torch.Tensor | None  # [batch, 1, query_len, max_blocks * block_size] True = attend (torch paths)
     seq_lens: torch.Tensor  # [batch] tokens in the cache after this step's writes
     causal_from_start: bool  # every chunk starts at position 0: plain causal attention
     bias: torch.Tensor | None  # additive mask for the matmul decode path (None: kernel or SDPA)
     tail_slots: torch.Tensor | None = None  # [batch] each sequence's tail slot (pools that keep one)
-
-    @property
-    def uses_kernel(self) -> bool:
-        """Served by a C++ kernel (decode or prefill), which needs no mask."""
-        return self.mask is None
 
 
 @dataclass(slots=True)
@@ -143,7 +139,7 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
     num_blocks, two_kv_heads, block_size = kv_cache.shape[:3]
     kv_heads = two_kv_heads // 2
     num_heads, head_dim = query.shape[1], query.shape[2]
-    direct = layer.direct and kv_cache.dtype == query.dtype
+    direct = layer.holds_as_is(query.dtype)
     if layer.key_rotation is not None:  # keys are stored rotated: rotate q alike, q·k is unchanged
         query = (query.float() @ layer.key_rotation).to(query.dtype)
     out = torch.empty_like(query)

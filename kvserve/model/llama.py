@@ -147,7 +147,7 @@ class DecoderLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
-        if meta.fused_rope_write and self.q_norm is None and kv.direct and kv.data.dtype == qkv.dtype \
+        if meta.fused_rope_write and self.q_norm is None and kv.holds_as_is(qkv.dtype) \
                 and meta.kv_observer is None:
             rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv.data, meta, heads)
             q = qkv[:, :heads]

@@ -15,7 +15,7 @@ from kvserve.cache.kv_format import (
     num_blocks_for_budget,
 )
 from kvserve.config import ConfigError, parse_size
-from kvserve.plan.memory import estimate_activation_bytes
+from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.plan.spec import ModelSpec, SpecError
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}

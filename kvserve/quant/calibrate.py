@@ -12,11 +12,11 @@ from typing import NamedTuple
 import torch
 
 from kvserve.cache.kv_cache import LayerKV
+from kvserve.cache.kv_scales import KVScales, length_summary
 from kvserve.config import ConfigError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.llm import LLM
 from kvserve.quant.data import read_samples, token_stream, tokenize
-from kvserve.quant.scales import KVScales, length_summary
 
 logger = logging.getLogger("kvserve")
 LENGTH_RATIO_WARN = 2.0  # p50 or p90 token length this many times the calibration data's

@@ -173,7 +173,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "blocks_free": s.blocks_free, "blocks_cached": s.blocks_cached, "usage": s.usage,
                 "live_tokens": s.live_tokens, "logical_tokens": s.logical_tokens, "sharing_factor": s.sharing_factor,
                 "allocated_slots": s.allocated_slots, "utilization": s.utilization,
-                "tail_slots_used": s.tail_slots_used, "tail_slots_total": s.tail_slots_total,
+                "tail_slots_used": s.tail_slots_used, "tail_blocks_used": s.tail_blocks_used,
                 "tail_waste_slots": s.tail_waste, "num_requests": s.num_requests,
                 "blocks_evictable": s.prefix_cache.evictable_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache.hit_rate,
