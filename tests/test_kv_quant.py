@@ -218,8 +218,7 @@ def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(ki
     layer = cache.layers[0]
     assert type(layer) is format_class(kind, mode)
     assert layer.keeps_tail_block == keeps_tail_block(kind, mode) == (layer.tail is not None)
-    per_block = sum(t[0].numel() * t.element_size() for t in layer.per_block_tensors())
-    assert per_block == kv_block_bytes(KVLayout.standard(heads, dim), 1, kind, block_size, mode)
+    assert layer.block_bytes == kv_block_bytes(KVLayout.standard(heads, dim), 1, kind, block_size, mode)
     torch.manual_seed(0)
     cache.zero_new_blocks(blocks - 1)  # as if every block had been handed out
     for tensor in cache._per_block():  # arbitrary stored contents, scales kept positive and finite

@@ -145,6 +145,11 @@ class LayerKV:
         return [t for t in (self.data, self.value_scales, self.key_scales)
                 if t is not None and (t is not self.key_scales or self.per_block_key_scales)]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes in this layer, scales included (kv_format.kv_block_bytes agrees)."""
+        return sum(t[0].numel() * t.element_size() for t in self.per_block_tensors())
+
     def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
         """key/value [T, kv_heads, dim]: this step's new tokens, into their slots."""
         raise NotImplementedError

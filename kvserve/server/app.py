@@ -194,7 +194,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         token_ids = _chat_tokens(body.chat(), body.add_generation_prompt)
         return await _serve(body, token_ids, engine_params(body, len(token_ids), chat=True), chat=True)
 
-    @app.post("/tokenize", dependencies=[Depends(check_auth)])
+    @app.post("/tokenize")  # like vLLM, outside /v1: not behind --api-key
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         if body.messages is not None:
@@ -205,7 +205,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             tokens = _encode(body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", dependencies=[Depends(check_auth)])
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         vocab = engine.engine.model_config.vocab_size

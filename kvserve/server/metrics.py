@@ -36,8 +36,10 @@ class _PoolCollector:
             "kv_cache_logical_tokens": ("Logical: tokens of every running request, shared blocks counted "
                                         "per holder", stats.logical_tokens),
             "kv_cache_sharing_factor": ("Logical / physical tokens (prefix sharing, >= 1)", stats.sharing_factor),
-            "kv_cache_tail_slots_used": ("Full-precision tail blocks held by running sequences",
+            "kv_cache_tail_slots_used": ("Running sequences holding a full-precision tail block",
                                          stats.tail_slots_used),
+            "kv_cache_tail_blocks_used": ("Pool blocks those tail blocks take (part of kv_cache_usage_perc)",
+                                          stats.tail_blocks_used),
             "num_requests_running": ("Requests in the running batch", engine.num_running),
             "num_requests_waiting": ("Requests waiting for admission", engine.num_waiting),
             "avg_sequence_length": ("Mean tokens per running request",
