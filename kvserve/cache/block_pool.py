@@ -112,6 +112,7 @@ class BlockPool:
         # references beyond the first on blocks in use: each is a full, shared prefix block that
         # several tables count, so physical tokens = logical tokens - block_size * this
         self.num_shared_refs = 0
+        self._next_run = 0  # get_aligned_run's next-fit cursor
         # Never-used blocks leave the queue in id order (freed ones go to the back), so every
         # block with an id above this has never held data.
         self.max_block_id_used = 0
@@ -149,14 +150,20 @@ class BlockPool:
         (a sequence's tail slot, see kv_format.tail_blocks), none in ``avoid``; runs holding no
         cached prefix are preferred to evicting one. None if no such run is free."""
         fallback: list[KVCacheBlock] | None = None
-        for start in range(length, self.num_blocks - length + 1, length):  # run 0 holds the null block
-            run = self.blocks[start : start + length]
+        starts = range(length, self.num_blocks - length + 1, length)  # run 0 holds the null block
+        if not starts:
+            return None
+        first = self._next_run % len(starts)  # next fit: resume where the last search ended
+        for i in range(len(starts)):
+            index = (first + i) % len(starts)
+            run = self.blocks[starts[index] : starts[index] + length]
             if any(block.ref_cnt or block.block_id in avoid for block in run):
                 continue
             if all(block.block_hash is None for block in run):
-                fallback = run
+                fallback, self._next_run = run, index + 1
                 break
-            fallback = fallback or run
+            if fallback is None:
+                fallback, self._next_run = run, index + 1
         if fallback is None:
             return None
         for block in fallback:
