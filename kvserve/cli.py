@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block, power of two 1..256")
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (overrides utilization)")
+    g.add_argument("--kv-offload-memory", default=None,
+                   help="tier 1: keep prefix blocks the pool evicts in this much host memory, e.g. 8GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights+activations+KV (CPU: of RAM)")
     g.add_argument("--device-memory", default=None, help="device memory to plan against, e.g. 24GB")
@@ -51,7 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
-        "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory": args.kv_cache_memory, "kv_offload_memory": args.kv_offload_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_scales": args.kv_scales,

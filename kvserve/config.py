@@ -109,6 +109,7 @@ class EngineConfig:
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
+    kv_offload_memory: int | str | None = None  # tier 1: evicted prefix blocks kept in host memory
     gpu_memory_utilization: float = 0.9
     device_memory: int | str | None = None
     max_num_seqs: int = 64
@@ -152,6 +153,8 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.device_memory is not None:
             self.device_memory = parse_size(self.device_memory, "device_memory")
+        if self.kv_offload_memory is not None:
+            self.kv_offload_memory = parse_size(self.kv_offload_memory, "kv_offload_memory")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -35,8 +35,10 @@ def tiny_chat_model(tiny_model_factory: Callable[..., Path], smollm: LoadedModel
     return load_model(str(path), torch.device("cpu"), torch.float32)._replace(tokenizer=smollm.tokenizer)
 
 
-def start_server(loaded: LoadedModel, **server: Any) -> tuple[Any, Any, str, Callable[[], None]]:
-    config = EngineConfig(model=MODEL, kv_cache_memory="4MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+def start_server(loaded: LoadedModel, engine_kwargs: dict[str, Any] | None = None,
+                 **server: Any) -> tuple[Any, Any, str, Callable[[], None]]:
+    config = EngineConfig(**{"model": MODEL, "kv_cache_memory": "4MiB", "max_model_len": MAX_MODEL_LEN,
+                             "max_num_seqs": 8, **(engine_kwargs or {})})
     engine, app = build(config, ServerConfig(model_name=MODEL, **server), loaded=loaded)
     base, stop_http = serve_in_thread(app)
 
@@ -250,3 +252,24 @@ def test_fuzz_every_route_from_the_schema(api: dict[str, Any]) -> None:
         check()
     assert not failures, failures[:5]
     still_serving(base)
+
+
+def test_tier_metrics_and_kv_route(tiny_chat_model: LoadedModel) -> None:
+    """A pool of a few blocks and a host tier: documents evicted from the pool come back from the
+    tier, and /metrics and /v1/kv say so per tier."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine, _, base, stop = start_server(tiny_chat_model, {"kv_cache_memory": "160KiB", "kv_offload_memory": "4MiB"})
+    try:
+        docs = [[(5 * d + i) % 200 + 3 for i in range(96)] for d in range(4)]
+        for _ in range(2):
+            for doc in docs:
+                assert post(base, "/v1/completions", {"prompt": doc, "max_tokens": 2}).status_code == 200
+        samples = {(s.name, s.labels.get("tier")): s.value
+                   for f in text_string_to_metric_families(httpx.get(base + "/metrics").text) for s in f.samples}
+        assert samples[("kvserve:kv_tier_hits_total", "cpu")] > 0
+        assert samples[("kvserve:kv_tier_capacity_bytes", "cpu")] > 0
+        tier = httpx.get(base + "/v1/kv").json()["tiers"][0]
+        assert tier["name"] == "cpu" and tier["hits"] == samples[("kvserve:kv_tier_hits_total", "cpu")]
+    finally:
+        stop()

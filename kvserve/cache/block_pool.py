@@ -12,6 +12,8 @@ prefix, or evicted — least recently freed first — when a new block is needed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class KVCacheBlock:
     """One physical block of ``block_size`` token slots in every layer's K and V."""
@@ -113,6 +115,9 @@ class BlockPool:
         # several tables count, so physical tokens = logical tokens - block_size * this
         self.num_shared_refs = 0
         self._next_run = 0  # get_aligned_run's next-fit cursor
+        # called with (block hash, block id) when a published block is evicted, before its
+        # content is overwritten: the manager demotes it to a lower tier
+        self.on_evict: Callable[[bytes, int], None] | None = None
         # Never-used blocks leave the queue in id order (freed ones go to the back), so every
         # block with an id above this has never held data.
         self.max_block_id_used = 0
@@ -139,6 +144,8 @@ class BlockPool:
         """A block just taken off the free queue now has one holder; a cached prefix in it is evicted."""
         if block.block_hash is not None:  # evict: its content is about to be overwritten
             del self.cached_blocks[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash, block.block_id)
             block.block_hash = None
             self.num_evictions += 1
         block.ref_cnt = 1

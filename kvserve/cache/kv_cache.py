@@ -46,6 +46,7 @@ from kvserve.cache.kv_quant import (
     unpack_int4,
     value_groups,
 )
+from kvserve.cache.kv_tiers import HostBlockStore, TierMoves
 
 
 class TailPlan(NamedTuple):
@@ -479,6 +480,7 @@ class PagedKVCache:
             self.layers.append(cls.allocate(kind, shape, quant, layer, self.clipped))
         self.zeroed_up_to = -1
         self.zero_new_blocks(0)
+        self.host_store: HostBlockStore | None = None
 
     @property
     def uses_tail(self) -> bool:
@@ -491,6 +493,16 @@ class PagedKVCache:
 
     def _per_block(self) -> list[torch.Tensor]:
         return [tensor for layer in self.layers for tensor in layer.per_block_tensors()]
+
+    def attach_host_tier(self, capacity_blocks: int) -> None:
+        """Host memory for tier 1 (kv_tiers): ``capacity_blocks`` blocks in the stored format."""
+        self.host_store = HostBlockStore(self._per_block(), capacity_blocks)
+
+    def run_tier_moves(self, moves: TierMoves | None) -> None:
+        """This step's demotions and promotions (after first-use zeroing, before the forward pass)."""
+        if moves is not None and (moves.demotions or moves.promotions):
+            assert self.host_store is not None, "tier moves need attach_host_tier"
+            self.host_store.run(self._per_block(), moves)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` onto block ``dst`` for each (src, dst), every layer, in its stored

@@ -11,8 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
 
 TokenReader = Callable[[int, int], list[int]]  # (start, end) -> the request's token ids in [start, end)
+CachedBlock = KVCacheBlock | bytes  # a prefix hit: a pool block, or the key of a block in tier 1
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,6 +81,7 @@ class KVCacheStats:
     clip_ratio: float = 0.0  # elements clipped by static KV scales / elements checked (drift watch)
     tail_slots_used: int = 0  # running sequences holding a full-precision tail block (int4, per-block int8)
     tail_blocks_used: int = 0  # pool blocks those tails take (counted in blocks_used, not in allocated_slots)
+    tiers: list[TierStats] = field(default_factory=list)  # lower tiers (kv_tiers), top first
 
     @property
     def usage(self) -> float:
@@ -116,6 +119,9 @@ class KVCacheStats:
             f"{self.peak_num_requests} requests, utilization at peak {100 * self.utilization_at_peak:.1f}%, "
             f"mean utilization {100 * self.mean_utilization:.1f}% | preemptions {self.num_preemptions} | "
             f"{self.prefix_cache}"
+            + "".join(f" | tier {t.name}: {t.blocks} blocks ({t.used_bytes / 2**20:.1f}/"
+                      f"{t.capacity_bytes / 2**20:.1f} MiB), {t.hits} hits, {t.blocks_in} in, {t.evictions} dropped"
+                      for t in self.tiers)
         )
 
 
@@ -129,7 +135,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 tail_blocks: int = 0) -> None:
+                 tail_blocks: int = 0, host_tier: TierIndex | None = None) -> None:
         """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
         (kv_format.tail_blocks), the aligned run of pool blocks that holds one; every request
         holding blocks then holds one run, taken with its first blocks and freed with them."""
@@ -141,6 +147,9 @@ class KVCacheManager:
         self.block_hashes: dict[str, list[bytes]] = {}  # keys of a request's full blocks so far
         self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
         self.tail_blocks = tail_blocks
+        self.host_tier = host_tier if enable_prefix_caching else None  # tier 1 (kv_tiers), or None
+        if self.host_tier is not None:
+            self.pool.on_evict = self.host_tier.demote
         self.tails: dict[str, list[KVCacheBlock]] = {}
         self.new_tail_slots: list[int] = []  # handed out since the runner last zeroed them
         self.prefix_queries = 0
@@ -175,20 +184,24 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens(i * size, (i + 1) * size)))
         return hashes
 
-    def find_cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenReader) -> list[KVCacheBlock]:
-        """The longest run of cached blocks matching the request's first tokens. The last token is
-        always left to compute (its logits are needed), so only blocks inside the first
-        num_tokens - 1 tokens count. Takes no references (see allocate_slots) and counts
-        nothing (see record_prefix_lookup): a request the pool cannot admit yet looks again."""
+    def find_cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenReader) -> list[CachedBlock]:
+        """The longest run of cached blocks matching the request's first tokens: pool blocks, or
+        keys of blocks in tier 1 (promoted by allocate_slots). The last token is always left to
+        compute (its logits are needed), so only blocks inside the first num_tokens - 1 tokens
+        count. Takes no references (see allocate_slots) and counts nothing (see
+        record_prefix_lookup): a request the pool cannot admit yet looks again."""
         if not self.enable_prefix_caching:
             return []
-        hits: list[KVCacheBlock] = []
+        hits: list[CachedBlock] = []
         num_blocks = (num_tokens - 1) // self.block_size
         for block_hash in self._hashes(request_id, tokens, num_blocks)[:num_blocks]:
             block = self.pool.cached_block(block_hash)
-            if block is None:
+            if block is not None:
+                hits.append(block)
+            elif self.host_tier is not None and block_hash in self.host_tier:
+                hits.append(block_hash)
+            else:
                 break
-            hits.append(block)
         return hits
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -198,19 +211,21 @@ class KVCacheManager:
             self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, request_id: str, num_tokens: int, tokens: TokenReader | None = None,
-                       cached: list[KVCacheBlock] | None = None) -> bool:
+                       cached: list[CachedBlock] | None = None) -> bool:
         """Make room for the request's first ``num_tokens`` tokens, starting a new request's table
-        with ``cached`` (from find_cached_prefix). False if the pool is short (nothing is
-        allocated then). With caching on, ``tokens`` reads the request's token ids, and every
-        block that these tokens fill is published."""
+        with ``cached`` (from find_cached_prefix; tier-1 hits get fresh blocks, copied back
+        before the step runs). False if the pool is short (nothing is allocated then). With
+        caching on, ``tokens`` reads the request's token ids, and every block that these tokens
+        fill is published."""
+        pool_hits = [block for block in cached or [] if isinstance(block, KVCacheBlock)]
         table = self.block_tables.get(request_id)
         if table is None:
-            table = list(cached or [])
+            table = pool_hits
         elif cached:
             raise ValueError(f"request {request_id!r} already has blocks; cached blocks start a table")
         new = request_id not in self.block_tables
         missing = self.blocks_needed(num_tokens) - len(table)
-        reviving = sum(1 for block in cached or [] if block.ref_cnt == 0)  # leave the free queue
+        reviving = sum(1 for block in pool_hits if block.ref_cnt == 0)  # leave the free queue
         tail_cost = self.tail_blocks if new else 0
         if missing + tail_cost > self.pool.num_free_blocks - reviving:
             return False
@@ -222,6 +237,9 @@ class KVCacheManager:
                 self.tails[request_id] = tail
                 self.new_tail_slots.append(tail[0].block_id // tail_cost)
             self.pool.touch(table)
+            if len(pool_hits) < len(cached or []):
+                table = self._promote(cached or [])
+                missing = self.blocks_needed(num_tokens) - len(table)
             self.block_tables[request_id] = table
             self.num_published[request_id] = len(table)
         if missing > 0:
@@ -233,6 +251,29 @@ class KVCacheManager:
         if self.enable_prefix_caching and tokens is not None:
             self._publish(request_id, num_tokens, tokens)
         return True
+
+    def _promote(self, cached: list[CachedBlock]) -> list[KVCacheBlock]:
+        """A new table from a prefix hit that reaches into tier 1: each tier hit gets a fresh
+        block (its pool hits are already referenced), published at once under its key; its
+        bytes are copied back before the step's forward pass (take_tier_moves)."""
+        tier = self.host_tier
+        assert tier is not None
+        slots = {key: tier.take(key) for key in cached if isinstance(key, bytes)}
+        fresh = iter(self.pool.get_new_blocks(len(slots)))  # may demote other blocks into the tier
+        table = []
+        for hit in cached:
+            if isinstance(hit, KVCacheBlock):
+                table.append(hit)
+                continue
+            block = next(fresh)
+            tier.promote(slots[hit], block.block_id)
+            self.pool.cache_block(block, hit)
+            table.append(block)
+        return table
+
+    def take_tier_moves(self) -> TierMoves | None:
+        """This step's copies between the pool and tier 1 (run before the forward pass)."""
+        return self.host_tier.take_moves() if self.host_tier is not None else None
 
     def _publish(self, request_id: str, num_tokens: int, tokens: TokenReader) -> None:
         """Offer the blocks that ``num_tokens`` fill to the cache. They are computed in this step,
@@ -330,4 +371,5 @@ class KVCacheManager:
             prefix_cache=self.prefix_cache_stats(),
             tail_slots_used=len(self.tails),
             tail_blocks_used=len(self.tails) * self.tail_blocks,
+            tiers=[self.host_tier.stats()] if self.host_tier is not None else [],
         )

@@ -22,6 +22,7 @@ from kvserve.cache.kv_format import (
 )
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.cache.kv_scales import KVScales, model_fingerprint
+from kvserve.cache.kv_tiers import TierIndex
 from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
 from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.engine.model_runner import ModelRunner
@@ -119,8 +120,11 @@ class LLMEngine:
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
             model_config.head_dim, self.dtype, self.device, self.kv_quant)
         self._clip_warned = False
+        host_tier = self._host_tier()
+        if host_tier is not None:
+            self.kv_cache.attach_host_tier(host_tier.capacity_blocks)
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         self.tail_blocks)
+                                         self.tail_blocks, host_tier)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
@@ -219,6 +223,21 @@ class LLMEngine:
                         "static per layer" if self.kv_cache_dtype.startswith("fp8") else
                         "static, calibrated" if self.kv_quant.key_scales is not None else "per block")
         return num_blocks
+
+    def _host_tier(self) -> TierIndex | None:
+        """Tier 1 in host memory (--kv-offload-memory), sized in whole pool blocks."""
+        cfg = self.config
+        if cfg.kv_offload_memory is None:
+            return None
+        if not cfg.enable_prefix_caching:
+            raise ConfigError("kv_offload_memory keeps evicted prefix blocks: it needs enable_prefix_caching")
+        capacity = int(cfg.kv_offload_memory) // self.kv_block_bytes
+        if capacity < 1:
+            raise ConfigError(f"kv_offload_memory={format_bytes(int(cfg.kv_offload_memory))} is smaller than one "
+                              f"KV block ({format_bytes(self.kv_block_bytes)})")
+        logger.info("KV tier 1 (host memory): %d blocks = %d tokens, %s", capacity, capacity * self.config.block_size,
+                    format_bytes(capacity * self.kv_block_bytes))
+        return TierIndex("cpu", capacity, self.kv_block_bytes)
 
     def _activation_peak(self) -> int:
         cfg, mcfg = self.config, self.model_config

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvserve.cache.kv_tiers import TierStats
 from kvserve.engine.engine import RequestOutput
 
 if TYPE_CHECKING:
@@ -59,6 +60,27 @@ class _PoolCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)
+        yield from _tier_metrics(stats.tiers)
+
+
+def _tier_metrics(tiers: list[TierStats]) -> Iterator[Metric]:
+    """Per lower tier (label ``tier``): bytes used and capacity, blocks in and out, hits, drops."""
+    gauges = {"kv_tier_used_bytes": ("Bytes held by a KV tier below the pool", "used_bytes"),
+              "kv_tier_capacity_bytes": ("Capacity of a KV tier below the pool", "capacity_bytes")}
+    counters = {"kv_tier_hits": ("Prefix blocks promoted from a tier back into the pool", "hits"),
+                "kv_tier_blocks_in": ("Blocks demoted into a tier", "blocks_in"),
+                "kv_tier_blocks_out": ("Blocks promoted out of a tier", "blocks_out"),
+                "kv_tier_evictions": ("Blocks dropped from a full tier", "evictions")}
+    for name, (doc, field) in gauges.items():
+        gauge = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["tier"])
+        for tier in tiers:
+            gauge.add_metric([tier.name], getattr(tier, field))
+        yield gauge
+    for name, (doc, field) in counters.items():
+        counter = CounterMetricFamily(f"kvserve:{name}", doc, labels=["tier"])
+        for tier in tiers:
+            counter.add_metric([tier.name], getattr(tier, field))
+        yield counter
 
 
 class ServerMetrics:

@@ -1,0 +1,121 @@
+"""KV tiers: what keeping evicted prefix blocks in host memory (tier 1) buys against recomputing
+them, on workloads whose reused prefixes are 4x the pool. Same model, same token ids, one run:
+
+- ``pool only``: evicted prefixes are recomputed;
+- ``+ cpu tier``: evicted prefixes are demoted to host memory and promoted back on a hit;
+- ``all in pool``: a pool large enough that nothing is evicted (the reference a tier is paying
+  to approach).
+
+Workloads (token ids, EOS ignored, requests run one at a time so TTFT is the prefill time):
+``doc-qa`` asks each of N documents several questions, documents round-robin, so a document has
+left the pool before it is asked again; ``multi-turn`` runs N conversations turn by turn,
+round-robin, each turn's prompt the whole history so far.
+
+    python benchmarks/kv_tiers.py --out docs/results/kv_tiers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.engine import load_model
+
+
+def doc_qa(num_docs: int, doc_len: int, questions: int, vocab: int) -> list[tuple[list[int], bool]]:
+    rng = random.Random(0)
+    docs = [[rng.randrange(10, vocab) for _ in range(doc_len)] for _ in range(num_docs)]
+    return [(docs[d] + [rng.randrange(10, vocab) for _ in range(24)], q > 0)
+            for q in range(questions) for d in range(num_docs)]
+
+
+def multi_turn(num_chats: int, turns: int, turn_len: int, reply_len: int, vocab: int) -> list[tuple[list[int], bool]]:
+    """Each turn's prompt is the whole conversation so far (earlier replies as fixed token ids)."""
+    rng = random.Random(1)
+    history: list[list[int]] = [[rng.randrange(10, vocab) for _ in range(256)] for _ in range(num_chats)]  # system
+    requests = []
+    for turn in range(turns):
+        for chat in range(num_chats):
+            history[chat] = history[chat] + [rng.randrange(10, vocab) for _ in range(turn_len)]
+            requests.append((list(history[chat]), turn > 0))
+            history[chat] = history[chat] + [rng.randrange(10, vocab) for _ in range(reply_len)]
+    return requests
+
+
+def run(llm: LLM, requests: list[tuple[list[int], bool]]) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate([requests[0][0][:32]], params)  # warm-up (kernels, allocator)
+    ttft_reused: list[float] = []
+    computed = 0
+    start = time.perf_counter()
+    outputs = []
+    for prompt, reused in requests:
+        out = llm.generate([prompt], params)[0]
+        outputs.append(out.token_ids)
+        computed += len(prompt) - out.num_cached_tokens
+        if reused:
+            ttft_reused.append(out.metrics["ttft"])
+    total = time.perf_counter() - start
+    stats = llm.kv_stats()
+    tiers = [t._asdict() for t in stats.tiers]
+    return {"total_s": total, "prefill_tokens_computed": computed,
+            "ttft_reused_mean_s": statistics.mean(ttft_reused), "ttft_reused_p50_s": statistics.median(ttft_reused),
+            "ttft_reused_p99_s": sorted(ttft_reused)[min(len(ttft_reused) - 1, int(0.99 * len(ttft_reused)))],
+            "pool_blocks": stats.num_blocks, "tiers": tiers, "outputs": outputs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--out", default="docs/results/kv_tiers.json")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    loaded = load_model("smollm2-135m", torch.device("cpu"), getattr(torch, args.dtype))
+    vocab = loaded.config.vocab_size
+    workloads = {
+        "doc-qa": (doc_qa(num_docs=8, doc_len=1024, questions=3, vocab=vocab), 2048),
+        "multi-turn": (multi_turn(num_chats=8, turns=4, turn_len=64, reply_len=32, vocab=vocab), 1024),
+    }
+    results: dict[str, Any] = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                               "block_size": args.block_size, "workloads": {}}
+    for name, (requests, pool_tokens) in workloads.items():
+        reused = sum(len(p) for p, _ in requests[: len(requests) // 3])  # rough working set of the prefixes
+        common = dict(loaded=loaded, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                      max_model_len=2048, max_num_seqs=4)
+        probe = LLM(**common, kv_cache_memory="64MiB").engine  # type: ignore[arg-type]
+        pool_bytes = (pool_tokens // args.block_size + 2 + 2 * probe.tail_blocks) * probe.kv_block_bytes
+        configs = {
+            "pool only (recompute)": dict(kv_cache_memory=pool_bytes),
+            "+ cpu tier": dict(kv_cache_memory=pool_bytes, kv_offload_memory="2GiB"),
+            "all in pool": dict(kv_cache_memory="2GiB"),
+        }
+        rows = {}
+        for label, extra in configs.items():
+            llm = LLM(**common, **extra)  # type: ignore[arg-type]
+            rows[label] = run(llm, requests)
+            print(f"{name:10s} {label:22s} total {rows[label]['total_s']:6.1f} s, reused-turn TTFT mean "
+                  f"{1e3 * rows[label]['ttft_reused_mean_s']:7.1f} ms p50 {1e3 * rows[label]['ttft_reused_p50_s']:7.1f}"
+                  f" p99 {1e3 * rows[label]['ttft_reused_p99_s']:7.1f}, prefill computed "
+                  f"{rows[label]['prefill_tokens_computed']}", flush=True)
+            del llm
+        same = all(r["outputs"] == rows["all in pool"]["outputs"] for r in rows.values())
+        for r in rows.values():
+            del r["outputs"]
+        results["workloads"][name] = {"requests": len(requests), "pool_tokens": pool_tokens,
+                                      "first_round_prompt_tokens": reused, "outputs_identical": same, "runs": rows}
+        print(f"{name}: outputs identical across configurations: {same}")
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Tier 1 of the KV cache: prefix blocks evicted from the pool, kept in host memory in their
+stored format (codes and per-block scales, as ``LayerKV.per_block_tensors`` lists them).
+
+The KVCacheManager owns a ``TierIndex`` (which content keys the tier holds, in which slot, in
+LRU order, within a capacity in blocks) and decides the moves; the PagedKVCache owns the
+``HostBlockStore`` (the bytes) and runs them once per step, before the forward pass:
+
+- **demotion**: a published block the pool evicts is copied to a tier slot instead of lost
+  (the tier's least recently used block is dropped when it is full);
+- **promotion**: a prefix lookup that runs past the pool's cached blocks continues in the tier;
+  each hit gets a fresh pool block, is copied back and published again, and its tier slot is
+  freed after the step's copies (exclusive tiers: a key is in the pool or the tier).
+
+Order within a step: demotions first (they read pool blocks that promotions may overwrite), then
+promotions (they read slots that no demotion of the same step may reuse: freed slots are only
+recycled after the moves ran).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+
+
+class TierStats(NamedTuple):
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int  # blocks promoted back into the pool (prefill they saved)
+    blocks_in: int  # blocks demoted into the tier
+    blocks_out: int  # blocks promoted out of it
+    evictions: int  # blocks dropped because the tier was full
+
+
+class TierMoves(NamedTuple):
+    """One step's copies between the pool and tier 1."""
+
+    demotions: list[tuple[int, int]]  # (pool block id, tier slot): run first
+    promotions: list[tuple[int, int]]  # (tier slot, pool block id): run second
+
+
+class TierIndex:
+    """Which content keys tier 1 holds. Invariants: ``slots`` maps a key to a slot no other key
+    has; a slot is in exactly one of ``slots``' values, ``_free`` or ``_released``; the pending
+    moves name each slot at most once."""
+
+    def __init__(self, name: str, capacity_blocks: int, block_bytes: int) -> None:
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self.block_bytes = block_bytes
+        self.slots: OrderedDict[bytes, int] = OrderedDict()  # oldest first
+        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._released: list[int] = []  # freed by this step's promotions: reusable after the moves ran
+        self._demotions: dict[int, int] = {}  # slot -> pool block id (a later demotion to a slot wins)
+        self._promotions: list[tuple[int, int]] = []
+        self.hits = self.blocks_in = self.blocks_out = self.evictions = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.slots
+
+    def demote(self, key: bytes, block_id: int) -> None:
+        """The pool evicts published block ``block_id`` holding ``key``: keep a copy in the tier."""
+        if key in self.slots:  # the same content is there already (recomputed, then evicted again)
+            self.slots.move_to_end(key)
+            return
+        if not self._free:
+            if not self.slots:
+                return  # every slot is being promoted out this step
+            _, slot = self.slots.popitem(last=False)
+            self.evictions += 1
+        else:
+            slot = self._free.pop()
+        self.slots[key] = slot
+        self._demotions[slot] = block_id
+        self.blocks_in += 1
+
+    def take(self, key: bytes) -> int:
+        """``key`` leaves the tier (it is going back to the pool): its slot, still holding the
+        bytes until this step's moves ran. Take before claiming pool blocks for it, so that a
+        demotion those claims cause cannot drop it."""
+        slot = self.slots.pop(key)
+        self._released.append(slot)
+        return slot
+
+    def promote(self, slot: int, block_id: int) -> None:
+        """Copy the taken ``slot`` back into pool block ``block_id`` in this step's moves."""
+        self._promotions.append((slot, block_id))
+        self.hits += 1
+        self.blocks_out += 1
+
+    def take_moves(self) -> TierMoves:
+        """This step's copies, in the order they must run; their slots become reusable."""
+        moves = TierMoves([(block, slot) for slot, block in self._demotions.items()], self._promotions)
+        self._demotions, self._promotions = {}, []
+        self._free.extend(self._released)
+        self._released = []
+        return moves
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.capacity_blocks * self.block_bytes, len(self.slots) * self.block_bytes,
+                         len(self.slots), self.hits, self.blocks_in, self.blocks_out, self.evictions)
+
+
+class HostBlockStore:
+    """The bytes of tier 1: one host tensor per pool per-block tensor, [slots, ...] in the same
+    layout and dtype (pinned when the pool is on CUDA, so copies can overlap compute)."""
+
+    def __init__(self, per_block: list[torch.Tensor], capacity_blocks: int) -> None:
+        pin = any(t.is_cuda for t in per_block)
+        # torch.empty: on CPU, host pages are only committed as blocks are demoted into them
+        self.storage = [torch.empty((capacity_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                        for t in per_block]
+
+    def run(self, per_block: list[torch.Tensor], moves: TierMoves) -> None:
+        """Demotions (pool -> host) first, then promotions (host -> pool), batched per tensor."""
+        if moves.demotions:
+            blocks = torch.tensor([b for b, _ in moves.demotions], dtype=torch.long)
+            slots = torch.tensor([s for _, s in moves.demotions], dtype=torch.long)
+            for pool, host in zip(per_block, self.storage, strict=True):
+                host.index_copy_(0, slots, pool.index_select(0, blocks.to(pool.device)).to(host.device))
+        if moves.promotions:
+            slots = torch.tensor([s for s, _ in moves.promotions], dtype=torch.long)
+            blocks = torch.tensor([b for _, b in moves.promotions], dtype=torch.long)
+            for pool, host in zip(per_block, self.storage, strict=True):
+                pool.index_copy_(0, blocks.to(pool.device), host.index_select(0, slots).to(pool.device))
