@@ -259,7 +259,7 @@ def test_tier_metrics_and_kv_route(tiny_chat_model: LoadedModel) -> None:
     tier, and /metrics and /v1/kv say so per tier."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    engine, _, base, stop = start_server(tiny_chat_model, {"kv_cache_memory": "160KiB", "kv_offload_memory": "4MiB"})
+    _, _, base, stop = start_server(tiny_chat_model, {"kv_cache_memory": "160KiB", "kv_offload_memory": "4MiB"})
     try:
         docs = [[(5 * d + i) % 200 + 3 for i in range(96)] for d in range(4)]
         for _ in range(2):
