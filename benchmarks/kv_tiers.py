@@ -91,7 +91,7 @@ def main() -> None:
     for name, (requests, pool_tokens) in workloads.items():
         reused = sum(len(p) for p, _ in requests[: len(requests) // 3])  # rough working set of the prefixes
         common = dict(loaded=loaded, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                      max_model_len=2048, max_num_seqs=4)
+                      max_model_len=pool_tokens, max_num_seqs=4)
         probe = LLM(**common, kv_cache_memory="64MiB").engine  # type: ignore[arg-type]
         pool_bytes = (pool_tokens // args.block_size + 2 + 2 * probe.tail_blocks) * probe.kv_block_bytes
         configs = {
