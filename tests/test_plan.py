@@ -257,3 +257,15 @@ def test_spec_from_hf_config_file_and_gqa_layout(tmp_path: Path) -> None:
     spec = ModelSpec.from_hf_config(config)
     assert spec.kv_layout == KVLayout.standard(8, 128) and spec.dtype == "bf16"
     assert 0.5e9 < spec.params < 0.8e9  # Qwen3-0.6B-shaped: ~0.6 B
+
+
+def test_plan_counts_the_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = explicit(32, 32, 8, 128)
+    report = plan(spec, context=4096, device_memory="80GB", kv_dtype="int4", kv_offload_memory="8GiB")
+    per_seq = 4096 // 16 * kv_block_bytes(spec.kv_layout, 32, "int4", 16)  # whole blocks, no tail
+    assert report.kv_offload_memory_bytes == 8 * 2**30 and report.tier_sessions == 8 * 2**30 // per_seq
+    assert any("Tier 1" in line and f"{report.tier_sessions} more sessions" in line for line in report.advice)
+    assert plan(spec, device_memory="80GB").tier_sessions == 0
+    code, out, _ = _run(capsys, "--preset", "llama-3.1-8b", "--device-memory", "24GB", "--kv-offload-memory", "8GiB",
+                        "--json")
+    assert code == 0 and json.loads(out)["tier_sessions"] > 0

@@ -64,6 +64,8 @@ class PlanReport:
     margin_bytes: int  # usable - total: negative when it does not fit
     max_concurrency: int
     max_context: int
+    kv_offload_memory_bytes: int = 0  # tier 1 (host memory) below the pool
+    tier_sessions: int = 0  # more sequences of ``context`` tokens whose prefix blocks tier 1 holds
     what_if: list[WhatIf] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -127,7 +129,8 @@ class _Sizer:
 def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_memory: int | str,
          gpu_memory_utilization: float = 0.9, kv_dtype: str = "auto", weight_dtype: str | None = None,
          block_size: int = 16, activation_memory: int | str | None = None, max_num_batched_tokens: int = 2048,
-         context_distribution: str = "fixed", key_scales: str = "static") -> PlanReport:
+         context_distribution: str = "fixed", key_scales: str = "static",
+         kv_offload_memory: int | str = 0) -> PlanReport:
     """Plan ``concurrency`` sequences of ``context`` tokens on ``device_memory`` (bytes or a
     size like "24GB"). ``activation_memory`` overrides the activation + reserve estimate;
     ``key_scales`` picks int8/int4's key scales: one static table, or also one per block."""
@@ -197,6 +200,11 @@ def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_m
         total_bytes=mine.total_bytes, fits=mine.fits, margin_bytes=usable - mine.total_bytes,
         max_concurrency=mine.max_concurrency, max_context=mine.max_context, what_if=rows,
     )
+    offload = parse_size(kv_offload_memory, "kv_offload_memory") if kv_offload_memory else 0
+    if offload:
+        # a tier keeps whole blocks in their stored format (tails stay in the pool)
+        report.kv_offload_memory_bytes = offload
+        report.tier_sessions = offload // max(1, sizer.sequence_bytes(context) - sizer.extra)
     report.advice = _advice(report, spec)
     return report
 
@@ -251,6 +259,10 @@ def _advice(r: PlanReport, spec: ModelSpec) -> list[str]:
     else:
         lines.append(f"Headroom: up to {r.max_concurrency} sessions x {r.context} tokens, or {r.concurrency} "
                      f"sessions x {r.max_context} tokens at {label} KV.")
+    if r.kv_offload_memory_bytes:
+        lines.append(f"Tier 1: {gib(r.kv_offload_memory_bytes)} of host memory keeps the prefix blocks of "
+                     f"{r.tier_sessions} more sessions x {r.context} tokens beyond the pool; an evicted prefix is "
+                     "copied back instead of recomputed (kvserve serve --kv-offload-memory).")
     if spec.max_position_embeddings and r.context > spec.max_position_embeddings:
         lines.append(f"Note: context {r.context} exceeds the model's {spec.max_position_embeddings} positions.")
     return lines
