@@ -9,7 +9,9 @@ them, on workloads whose reused prefixes are 4x the pool. Same model, same token
 Workloads (token ids, EOS ignored, requests run one at a time so TTFT is the prefill time):
 ``doc-qa`` asks each of N documents several questions, documents round-robin, so a document has
 left the pool before it is asked again; ``multi-turn`` runs N conversations turn by turn,
-round-robin, each turn's prompt the whole history so far.
+round-robin, each turn's prompt the whole history so far. ``swap``: 16 requests of 1,024
+prompt tokens submitted at once into a pool for two of them (8x oversubscribed), preempted by
+recompute or by swapping their blocks to tier 1.
 
     python benchmarks/kv_tiers.py --out docs/results/kv_tiers.json
 """
@@ -114,7 +116,40 @@ def main() -> None:
         results["workloads"][name] = {"requests": len(requests), "pool_tokens": pool_tokens,
                                       "first_round_prompt_tokens": reused, "outputs_identical": same, "runs": rows}
         print(f"{name}: outputs identical across configurations: {same}")
+    results["swap"] = swap_vs_recompute(loaded, args)
     Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def swap_vs_recompute(loaded: Any, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, loaded.config.vocab_size) for _ in range(1024)] for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    common = dict(loaded=loaded, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, max_model_len=1088,
+                  max_num_seqs=16, enable_prefix_caching=False, kv_offload_memory="2GiB")
+    probe = LLM(**common, kv_cache_memory="64MiB").engine  # type: ignore[arg-type]
+    blocks = 2 * (1088 // args.block_size + probe.tail_blocks) + 2  # two requests at their full length
+    rows: dict[str, Any] = {}
+    for mode in ("recompute", "swap"):
+        llm = LLM(**common, kv_cache_memory=blocks * probe.kv_block_bytes, preemption_mode=mode)  # type: ignore[arg-type]
+        llm.generate([prompts[0][:32]], SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        total = time.perf_counter() - start
+        stats = llm.kv_stats()
+        ttfts = sorted(o.metrics["ttft"] for o in outs)
+        rows[mode] = {"total_s": total, "output_tok_s": sum(len(o.token_ids) for o in outs) / total,
+                      "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[-1],
+                      "preemptions": stats.num_preemptions, "swaps_out": stats.swaps_out,
+                      "swap_fallbacks": stats.swap_fallbacks, "outputs": [o.token_ids for o in outs]}
+        print(f"swap       {mode:22s} total {total:6.1f} s, {rows[mode]['output_tok_s']:6.1f} output tok/s, TTFT p50 "
+              f"{rows[mode]['ttft_p50_s']:.2f} s p99 {rows[mode]['ttft_p99_s']:.2f} s, preemptions "
+              f"{stats.num_preemptions}, swaps {stats.swaps_out}", flush=True)
+    same = rows["swap"]["outputs"] == rows["recompute"]["outputs"]
+    print(f"swap: outputs identical: {same}")
+    for row in rows.values():
+        del row["outputs"]
+    return {"pool_blocks": blocks - 1, "requests": 16, "prompt_tokens": 1024, "output_tokens": 64,
+            "outputs_identical": same, "runs": rows}
 
 
 if __name__ == "__main__":

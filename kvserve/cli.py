@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
+from kvserve.config import PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="admission order: arrival, or longest cached prefix first (bounded wait)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+                   help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
+                        "without recompute; recompute when tier 1 is full (default: %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype, "kv_scales": args.kv_scales,
         "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers, "kv_key_scales": args.kv_key_scales,
         "enable_prefix_caching": args.enable_prefix_caching,
-        "scheduling_policy": args.scheduling_policy, "seed": args.seed,
+        "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
     }
 
 

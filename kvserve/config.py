@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.cache.kv_format import normalize_kv_dtype
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")  # arrival order; longest cached prefix first (SGLang's lpm)
+PREEMPTION_MODES = ("recompute", "swap")  # vLLM's names
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -123,6 +124,7 @@ class EngineConfig:
     kv_key_scales: str = "auto"
     enable_prefix_caching: bool = True  # on by default, as in vLLM v1
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first (bounded wait)
+    preemption_mode: str = "recompute"  # or "swap": a preempted request's blocks go to tier 1 (kv_offload_memory)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -147,6 +149,11 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                              f"got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offload_memory is None:
+            raise ConfigError("preemption_mode=swap moves preempted requests' blocks to tier 1: give kv_offload_memory")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kv_cache_memory is not None:

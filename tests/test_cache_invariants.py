@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvserve.cache.kv_cache_manager import KVCacheManager, TokenReader, cdiv
+from kvserve.cache.kv_tiers import TierIndex
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
@@ -132,7 +133,8 @@ def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, in
     max_len = (num_blocks - 1 - tail_blocks) * block_size
     reqs = draw(st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 30), st.integers(0, 6)),
                          min_size=1, max_size=12))
-    return reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64)), tail_blocks
+    tier_blocks = draw(st.sampled_from([0, 0, 4, 40]))  # tier 1: prefix demotion and swap preemption
+    return reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64)), tail_blocks, tier_blocks
 
 
 @given(workloads(), st.randoms(use_true_random=False))
@@ -140,9 +142,10 @@ def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, in
 def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: ignore[no-untyped-def]
     """Drive the real scheduler and manager with bookkeeping in place of the model: random
     arrivals and aborts; every request ends with exactly its tokens, blocks never leak."""
-    specs, block_size, num_blocks, max_seqs, budget, tail_blocks = workload
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, tail_blocks=tail_blocks)
-    sched = Scheduler(kv, max_seqs, budget)
+    specs, block_size, num_blocks, max_seqs, budget, tail_blocks, tier_blocks = workload
+    tier = TierIndex("cpu", tier_blocks, 1) if tier_blocks else None
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, tail_blocks=tail_blocks, host_tier=tier)
+    sched = Scheduler(kv, max_seqs, budget, preemption_mode="swap" if tier else "recompute")
     max_len = kv.capacity_tokens
     pending = list(enumerate(specs))
     requests: list[Request] = []
@@ -163,7 +166,11 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
             aborted.add(victim.request_id)
         scheduled = sched.schedule()
         chunks = scheduled.chunks
-        assert all(r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 for r in scheduled.preempted)
+        for r in scheduled.preempted:  # swapped out (progress kept, blocks in tier 1) or reset for recompute
+            assert (r.status is RequestStatus.SWAPPED and r.request_id in kv.swapped) or (
+                r.status is RequestStatus.WAITING and r.num_computed_tokens == 0)
+        if tier is not None:
+            tier.take_moves()  # what the engine does after scheduling
         assert not {r.request_id for r in scheduled.preempted} & {c.request.request_id for c in chunks}
         assert sum(c.num_tokens for c in chunks) <= budget and len(sched.running) <= max_seqs
         assert all(c.request.request_id in kv.block_tables for c in chunks)
@@ -185,6 +192,7 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
                     sched.finish(r, "length")
         check_manager(kv)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    assert not kv.swapped and (tier is None or tier.num_reserved == 0)
     for r in requests:
         assert r.finished
         if r.request_id not in aborted:

@@ -101,4 +101,58 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
         kv.free(rid)
     stats = tier.stats()
     assert stats.blocks == len(tier.slots) and stats.used_bytes == 100 * stats.blocks
-    assert stats.blocks_in - stats.blocks_out - stats.evictions == stats.blocks
+    assert stats.blocks_in - stats.blocks_out - stats.evictions - stats.discarded == stats.blocks
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
+def test_swap_preemption_keeps_outputs_and_skips_recompute(kv_dtype: str,
+                                                           tiny_model_factory: Callable[..., Path]) -> None:
+    """8 long requests at once in a pool for two: swap preemption moves a victim's blocks (its
+    full-precision tail too) to tier 1 and back, and outputs equal one-at-a-time's. Recompute
+    preemption does too in fp32; with int4 it may not: recomputed, a block of generated tokens
+    is quantized within one prefill step, where decoding had read it from the full-precision
+    tail while it filled, so later tokens can differ (seen: 1 of 8 requests). Swap keeps them."""
+    path = str(tiny_model_factory("llama"))
+    prompts = [[(11 * r + 3 * i) % 250 + 3 for i in range(160)] for r in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    common = dict(kv_cache_dtype=kv_dtype, block_size=16, max_model_len=224, max_num_seqs=8,
+                  max_num_batched_tokens=256)
+    probe = LLM(path, **common, kv_cache_memory="8MiB").engine
+    # two prompts (10 blocks and a tail run each) fit, their growth to 13 blocks does not: preemptions
+    budget = (2 * (10 + probe.tail_blocks) + 3) * probe.kv_block_bytes
+    alone = [o.token_ids for o in _one_by_one(LLM(path, **common, kv_cache_memory="8MiB"), prompts, params)]
+    runs = {}
+    for mode in ("recompute", "swap"):
+        llm = LLM(path, **common, kv_cache_memory=budget, enable_prefix_caching=False, preemption_mode=mode,
+                  kv_offload_memory="8MiB")  # no prefix cache: recompute really recomputes
+        outs = llm.generate(prompts, params)
+        if mode == "swap" or kv_dtype == "fp32":
+            assert [o.token_ids for o in outs] == alone
+        runs[mode] = llm.kv_stats()
+    swap, recompute = runs["swap"], runs["recompute"]
+    assert recompute.num_preemptions >= 4 and recompute.swaps_out == 0
+    assert swap.swaps_out > 0 and swap.swaps_in == swap.swaps_out and swap.swap_fallbacks == 0
+    assert swap.num_swapped == 0 and swap.tiers[0].blocks == 0 and swap.blocks_used == 0  # all returned
+
+
+def test_swap_falls_back_to_recompute_when_tier_1_is_full(tiny_model_factory: Callable[..., Path]) -> None:
+    path = str(tiny_model_factory("llama"))
+    prompts = [[(5 * r + i) % 250 + 3 for i in range(160)] for r in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(block_size=16, max_model_len=224, max_num_seqs=4)
+    alone = [o.token_ids for o in _one_by_one(LLM(path, **common, kv_cache_memory="8MiB"), prompts, params)]
+    probe = LLM(path, **common, kv_cache_memory="8MiB").engine
+    llm = LLM(path, **common, kv_cache_memory=23 * probe.kv_block_bytes, preemption_mode="swap",
+              kv_offload_memory=2 * probe.kv_block_bytes)  # two prompts fit, not their growth; no victim fits tier 1
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+    stats = llm.kv_stats()
+    assert stats.swap_fallbacks > 0 and stats.swaps_out == 0 and stats.num_preemptions >= stats.swap_fallbacks
+
+
+def test_swap_needs_tier_1() -> None:
+    from kvserve import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match=r"preemption_mode=swap .* kv_offload_memory"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ConfigError, match="preemption_mode must be one of recompute, swap, got 'drop'"):
+        EngineConfig(preemption_mode="drop")

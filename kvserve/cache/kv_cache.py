@@ -499,7 +499,7 @@ class PagedKVCache:
         self.host_store = HostBlockStore(self._per_block(), capacity_blocks)
 
     def run_tier_moves(self, moves: TierMoves | None) -> None:
-        """This step's demotions and promotions (after first-use zeroing, before the forward pass)."""
+        """A step's demotions and promotions (after first-use zeroing, before the forward pass)."""
         if moves is not None and (moves.demotions or moves.promotions):
             assert self.host_store is not None, "tier moves need attach_host_tier"
             self.host_store.run(self._per_block(), moves)

@@ -9,6 +9,7 @@ import hashlib
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
@@ -27,6 +28,15 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
     digest = hashlib.sha256(parent or b"")
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
+
+
+class SwappedBlocks(NamedTuple):
+    """A swapped-out request: the tier-1 slots holding its table's blocks, then its tail run's."""
+
+    slots: list[int]
+    num_blocks: int  # table blocks (the rest of ``slots`` is the tail run)
+    num_tokens: int
+    num_published: int
 
 
 @dataclass(slots=True)
@@ -82,6 +92,10 @@ class KVCacheStats:
     tail_slots_used: int = 0  # running sequences holding a full-precision tail block (int4, per-block int8)
     tail_blocks_used: int = 0  # pool blocks those tails take (counted in blocks_used, not in allocated_slots)
     tiers: list[TierStats] = field(default_factory=list)  # lower tiers (kv_tiers), top first
+    swaps_out: int = 0  # requests preempted by swapping their blocks to tier 1
+    swaps_in: int = 0
+    swap_fallbacks: int = 0  # swap preemptions that recomputed instead: tier 1 was full
+    num_swapped: int = 0  # requests whose blocks wait in tier 1 now
 
     @property
     def usage(self) -> float:
@@ -147,11 +161,13 @@ class KVCacheManager:
         self.block_hashes: dict[str, list[bytes]] = {}  # keys of a request's full blocks so far
         self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
         self.tail_blocks = tail_blocks
-        self.host_tier = host_tier if enable_prefix_caching else None  # tier 1 (kv_tiers), or None
-        if self.host_tier is not None:
-            self.pool.on_evict = self.host_tier.demote
+        self.host_tier = host_tier  # tier 1 (kv_tiers): evicted prefix blocks, swapped-out requests
+        if host_tier is not None and enable_prefix_caching:
+            self.pool.on_evict = host_tier.demote
         self.tails: dict[str, list[KVCacheBlock]] = {}
         self.new_tail_slots: list[int] = []  # handed out since the runner last zeroed them
+        self.swapped: dict[str, SwappedBlocks] = {}  # requests whose blocks wait in tier 1
+        self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._logical_tokens = 0
@@ -230,15 +246,20 @@ class KVCacheManager:
         if missing + tail_cost > self.pool.num_free_blocks - reviving:
             return False
         if new:
+            # tier-1 hits leave the tier first, so that no claim below can demote them out of it
+            tier_slots = {key: self.host_tier.take(key) for key in cached or [] if isinstance(key, bytes)
+                          } if self.host_tier is not None else {}
             if tail_cost:
                 tail = self.pool.get_aligned_run(tail_cost, {block.block_id for block in table})
                 if tail is None:
+                    for key, slot in tier_slots.items():
+                        self.host_tier.give_back(key, slot)  # type: ignore[union-attr]
                     return False
                 self.tails[request_id] = tail
                 self.new_tail_slots.append(tail[0].block_id // tail_cost)
             self.pool.touch(table)
-            if len(pool_hits) < len(cached or []):
-                table = self._promote(cached or [])
+            if tier_slots:
+                table = self._promote(cached or [], tier_slots)
                 missing = self.blocks_needed(num_tokens) - len(table)
             self.block_tables[request_id] = table
             self.num_published[request_id] = len(table)
@@ -252,13 +273,62 @@ class KVCacheManager:
             self._publish(request_id, num_tokens, tokens)
         return True
 
-    def _promote(self, cached: list[CachedBlock]) -> list[KVCacheBlock]:
-        """A new table from a prefix hit that reaches into tier 1: each tier hit gets a fresh
-        block (its pool hits are already referenced), published at once under its key; its
-        bytes are copied back before the step's forward pass (take_tier_moves)."""
+    def swap_out(self, request_id: str) -> bool:
+        """Preemption by swapping: copy the request's blocks (and its tail run) to reserved tier-1
+        slots and free them. False if tier 1 cannot take them (the caller recomputes instead;
+        counted in num_swap_fallbacks); nothing changes then."""
+        table = self.block_tables[request_id]
+        tail = self.tails.get(request_id, [])
+        slots = self.host_tier.reserve(len(table) + len(tail)) if self.host_tier is not None else None
+        if slots is None:
+            self.num_swap_fallbacks += 1
+            return False
+        assert self.host_tier is not None
+        for block, slot in zip(table + tail, slots, strict=True):
+            self.host_tier.save(block.block_id, slot)
+        self.swapped[request_id] = SwappedBlocks(slots, len(table), self.num_tokens[request_id],
+                                                 self.num_published[request_id])
+        self._release_blocks(request_id)
+        self.num_swaps_out += 1
+        return True
+
+    def swap_in(self, request_id: str) -> bool:
+        """Bring a swapped-out request's blocks back into fresh pool blocks (copied before the
+        step's forward pass). False if the pool is short (nothing changes then)."""
+        state = self.swapped[request_id]
+        tail_cost = self.tail_blocks
+        if state.num_blocks + tail_cost > self.pool.num_free_blocks:
+            return False
+        tail: list[KVCacheBlock] = []
+        if tail_cost:
+            run = self.pool.get_aligned_run(tail_cost, set())
+            if run is None:
+                return False
+            tail = self.tails[request_id] = run
+        table = self.pool.get_new_blocks(state.num_blocks)
+        assert self.host_tier is not None
+        self.host_tier.restore(state.slots, [block.block_id for block in table + tail])
+        del self.swapped[request_id]
+        self.block_tables[request_id] = table
+        self.num_tokens[request_id] = state.num_tokens
+        self._logical_tokens += state.num_tokens
+        # its full blocks were published before: these copies are published again where no equal
+        # block is cached in either tier
+        for block, block_hash in zip(table, self.block_hashes.get(request_id, [])[: state.num_published],
+                                     strict=False):
+            self.pool.cache_block(block, block_hash)
+            if block.block_hash == block_hash:
+                self.host_tier.discard(block_hash)
+        self.num_published[request_id] = state.num_published
+        self.num_swaps_in += 1
+        return True
+
+    def _promote(self, cached: list[CachedBlock], slots: dict[bytes, int]) -> list[KVCacheBlock]:
+        """A new table from a prefix hit that reaches into tier 1: each tier hit (taken out of the
+        tier into ``slots``) gets a fresh block (its pool hits are already referenced), published
+        at once under its key; its bytes are copied back before the step's forward pass."""
         tier = self.host_tier
         assert tier is not None
-        slots = {key: tier.take(key) for key in cached if isinstance(key, bytes)}
         fresh = iter(self.pool.get_new_blocks(len(slots)))  # may demote other blocks into the tier
         table = []
         for hit in cached:
@@ -286,11 +356,19 @@ class KVCacheManager:
         hashes = self._hashes(request_id, tokens, full)
         for block, block_hash in zip(table[start:full], hashes[start:full], strict=True):
             self.pool.cache_block(block, block_hash)
+            if self.host_tier is not None and block.block_hash == block_hash:
+                self.host_tier.discard(block_hash)  # tiers stay exclusive: a key lives in one
         self.num_published[request_id] = full
 
     def free(self, request_id: str) -> None:
-        """Return all of a request's blocks to the pool (finished, aborted or preempted). Its
-        published blocks stay cached until evicted."""
+        """Return all of a request's blocks to the pool (finished, aborted or preempted), or its
+        swapped-out blocks' tier slots. Its published blocks stay cached until evicted."""
+        state = self.swapped.pop(request_id, None)
+        if state is not None and self.host_tier is not None:
+            self.host_tier.release(state.slots)
+        self._release_blocks(request_id)
+
+    def _release_blocks(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, [])
         self._logical_tokens -= self.num_tokens.pop(request_id, 0)
         self.num_published.pop(request_id, None)
@@ -372,4 +450,6 @@ class KVCacheManager:
             tail_slots_used=len(self.tails),
             tail_blocks_used=len(self.tails) * self.tail_blocks,
             tiers=[self.host_tier.stats()] if self.host_tier is not None else [],
+            swaps_out=self.num_swaps_out, swaps_in=self.num_swaps_in, swap_fallbacks=self.num_swap_fallbacks,
+            num_swapped=len(self.swapped),
         )

@@ -3,7 +3,8 @@ stored format (codes and per-block scales, as ``LayerKV.per_block_tensors`` list
 
 The KVCacheManager owns a ``TierIndex`` (which content keys the tier holds, in which slot, in
 LRU order, within a capacity in blocks) and decides the moves; the PagedKVCache owns the
-``HostBlockStore`` (the bytes) and runs them once per step, before the forward pass:
+``HostBlockStore`` (the bytes); the engine runs them once per step, right after scheduling
+(before the forward pass, and in steps that run nothing, so moves never wait across steps):
 
 - **demotion**: a published block the pool evicts is copied to a tier slot instead of lost
   (the tier's least recently used block is dropped when it is full);
@@ -28,11 +29,12 @@ class TierStats(NamedTuple):
     name: str
     capacity_bytes: int
     used_bytes: int
-    blocks: int
+    blocks: int  # prefix blocks and swapped-out requests' blocks
     hits: int  # blocks promoted back into the pool (prefill they saved)
     blocks_in: int  # blocks demoted into the tier
     blocks_out: int  # blocks promoted out of it
     evictions: int  # blocks dropped because the tier was full
+    discarded: int  # copies dropped because the pool had recomputed the same block
 
 
 class TierMoves(NamedTuple):
@@ -56,7 +58,8 @@ class TierIndex:
         self._released: list[int] = []  # freed by this step's promotions: reusable after the moves ran
         self._demotions: dict[int, int] = {}  # slot -> pool block id (a later demotion to a slot wins)
         self._promotions: list[tuple[int, int]] = []
-        self.hits = self.blocks_in = self.blocks_out = self.evictions = 0
+        self.hits = self.blocks_in = self.blocks_out = self.evictions = self.discarded = 0
+        self.num_reserved = 0  # slots holding swapped-out requests' blocks (no key, never evicted)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.slots
@@ -77,6 +80,14 @@ class TierIndex:
         self._demotions[slot] = block_id
         self.blocks_in += 1
 
+    def discard(self, key: bytes) -> None:
+        """The pool published ``key`` again (recomputed): the tier's copy is redundant, drop it."""
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            self._demotions.pop(slot, None)
+            self._free.append(slot)
+            self.discarded += 1
+
     def take(self, key: bytes) -> int:
         """``key`` leaves the tier (it is going back to the pool): its slot, still holding the
         bytes until this step's moves ran. Take before claiming pool blocks for it, so that a
@@ -85,11 +96,43 @@ class TierIndex:
         self._released.append(slot)
         return slot
 
+    def give_back(self, key: bytes, slot: int) -> None:
+        """Undo take() (the allocation it was for failed): the key is in the tier again."""
+        self._released.remove(slot)
+        self.slots[key] = slot
+
     def promote(self, slot: int, block_id: int) -> None:
         """Copy the taken ``slot`` back into pool block ``block_id`` in this step's moves."""
         self._promotions.append((slot, block_id))
         self.hits += 1
         self.blocks_out += 1
+
+    def reserve(self, count: int) -> list[int] | None:
+        """``count`` slots for a swapped-out request (dropping LRU prefix blocks to make room), or
+        None if even that is not enough (nothing changes then)."""
+        if count > len(self._free) + len(self.slots):
+            return None
+        while len(self._free) < count:
+            _, slot = self.slots.popitem(last=False)
+            self._demotions.pop(slot, None)
+            self._free.append(slot)
+            self.evictions += 1
+        self.num_reserved += count
+        return [self._free.pop() for _ in range(count)]
+
+    def save(self, block_id: int, slot: int) -> None:
+        """Copy pool block ``block_id`` into reserved ``slot`` in this step's moves."""
+        self._demotions[slot] = block_id
+
+    def restore(self, slots: list[int], block_ids: list[int]) -> None:
+        """Copy reserved ``slots`` back into pool blocks; the slots are free after the step."""
+        self._promotions.extend(zip(slots, block_ids, strict=True))
+        self.release(slots)
+
+    def release(self, slots: list[int]) -> None:
+        """Reserved slots are no longer needed (restored, or their request ended)."""
+        self.num_reserved -= len(slots)
+        self._released.extend(slots)
 
     def take_moves(self) -> TierMoves:
         """This step's copies, in the order they must run; their slots become reusable."""
@@ -100,8 +143,9 @@ class TierIndex:
         return moves
 
     def stats(self) -> TierStats:
-        return TierStats(self.name, self.capacity_blocks * self.block_bytes, len(self.slots) * self.block_bytes,
-                         len(self.slots), self.hits, self.blocks_in, self.blocks_out, self.evictions)
+        used = len(self.slots) + self.num_reserved
+        return TierStats(self.name, self.capacity_blocks * self.block_bytes, used * self.block_bytes,
+                         used, self.hits, self.blocks_in, self.blocks_out, self.evictions, self.discarded)
 
 
 class HostBlockStore:

@@ -126,7 +126,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                          self.tail_blocks, host_tier)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # requests sent back to the queue (recompute), since start-up
@@ -229,8 +229,6 @@ class LLMEngine:
         cfg = self.config
         if cfg.kv_offload_memory is None:
             return None
-        if not cfg.enable_prefix_caching:
-            raise ConfigError("kv_offload_memory keeps evicted prefix blocks: it needs enable_prefix_caching")
         capacity = int(cfg.kv_offload_memory) // self.kv_block_bytes
         if capacity < 1:
             raise ConfigError(f"kv_offload_memory={format_bytes(int(cfg.kv_offload_memory))} is smaller than one "
@@ -320,6 +318,10 @@ class LLMEngine:
         """One iteration of continuous batching; returns outputs of requests that advanced."""
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
+        moves = self.kv_manager.take_tier_moves()  # every step, even one with nothing to run
+        if moves is not None and (moves.demotions or moves.promotions):
+            self.kv_cache.zero_new_blocks(self.kv_manager.pool.max_block_id_used)  # before blocks are loaded
+            self.kv_cache.run_tier_moves(moves)
         if scheduled.block_copies:
             self.kv_cache.copy_blocks(scheduled.block_copies)
         chunks = scheduled.chunks
@@ -445,7 +447,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests not running: waiting for admission, or swapped out."""
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped)
 
     def describe(self) -> dict[str, Any]:
         return {

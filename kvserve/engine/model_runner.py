@@ -151,7 +151,6 @@ class ModelRunner:
             offset += n * len(by_len[n])
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
         self.kv_cache.zero_tail_slots(self.kv.take_new_tail_slots())
-        self.kv_cache.run_tier_moves(self.kv.take_tier_moves())  # promoted prefixes are read below
         slot_mapping = torch.tensor(slots, device=self.device)
         kv_heads = self.model.config.num_kv_heads
         write = KVWriteIndex(

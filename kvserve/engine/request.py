@@ -14,6 +14,7 @@ from kvserve.engine.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swapping: its blocks wait in tier 1, its progress is kept
     FINISHED = "finished"
 
 

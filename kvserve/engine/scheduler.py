@@ -49,7 +49,7 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", max_skips: int = 8) -> None:
+                 policy: str = "fcfs", max_skips: int = 8, preemption_mode: str = "recompute") -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv = kv_manager
@@ -57,23 +57,46 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.max_skips = max_skips  # lpm: how often a request may be passed over before it goes first
+        self.preemption_mode = preemption_mode  # "recompute", or "swap" (blocks to tier 1; recompute if full)
         self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()  # swapped out, oldest preemption first: they come back first
         self.running: list[Request] = []  # sorted by arrival_seq: the last is the newest
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def _preempt_newest(self) -> Request:
         victim = self.running.pop()
+        victim.num_preemptions += 1
+        if self.preemption_mode == "swap" and self.kv.swap_out(victim.request_id):
+            victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens: nothing is recomputed
+            self.swapped.append(victim)
+            return victim
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         return victim
+
+    def _swap_in(self, budget: int) -> list[ScheduledChunk]:
+        """Swapped-out requests come back first (oldest preemption first) while they fit."""
+        chunks = []
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            if not self.kv.swap_in(request.request_id):
+                break
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n, request.token_ids):
+                break  # back in the pool, but no room to grow this step: it runs next step
+            chunks.append(ScheduledChunk(request, n))
+            budget -= n
+        return chunks
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -93,8 +116,13 @@ class Scheduler:
                 i += 1
                 continue
             break  # the request itself was preempted; everything after it is gone too
-        # Admit waiting requests only when nobody had to be preempted this step.
+        # Bring swapped requests back, then admit waiting ones, only when nobody was preempted this step.
         preempted = bool(victims)
+        if not preempted and self.swapped:
+            chunks += self._swap_in(budget)
+            budget = self.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+            if self.swapped:
+                return SchedulerOutput(chunks, victims, [])  # the swapped go before anyone new
         lpm = self.policy == "lpm" and len(self.waiting) > 1
         if lpm and not preempted and len(self.running) < self.max_num_seqs:
             self._order_by_cached_prefix()
@@ -136,6 +164,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         self.kv.free(request.request_id)
         self.kv.forget(request.request_id)
         request.status = RequestStatus.FINISHED

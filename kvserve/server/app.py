@@ -178,7 +178,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "blocks_evictable": s.prefix_cache.evictable_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache.hit_rate,
                 "prefix_cache_queries": s.prefix_cache.queries, "prefix_cache_hits": s.prefix_cache.hits,
-                "tiers": [t._asdict() for t in s.tiers], "per_request_blocks": s.per_request_blocks}
+                "tiers": [t._asdict() for t in s.tiers], "swaps_out": s.swaps_out, "swaps_in": s.swaps_in,
+                "swap_fallbacks": s.swap_fallbacks, "num_swapped": s.num_swapped,
+                "per_request_blocks": s.per_request_blocks}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:

@@ -188,7 +188,7 @@ class AsyncEngine:
             return
         with self._lock:
             self._queued -= 1
-            self._engine_waiting = len(self.engine.scheduler.waiting)
+            self._engine_waiting = self.engine.num_waiting
         self._sinks[request.request_id] = sub
         sub.accepted.set_result(request.request_id)
 
@@ -200,7 +200,7 @@ class AsyncEngine:
         stats = self.engine.kv_stats()
         with self._lock:
             self._stats = stats
-            self._engine_waiting = len(self.engine.scheduler.waiting)
+            self._engine_waiting = self.engine.num_waiting
             self._running = len(self.engine.scheduler.running)
         if self.on_step is not None:
             self.on_step(outputs)

@@ -42,7 +42,8 @@ class _PoolCollector:
             "kv_cache_tail_blocks_used": ("Pool blocks those tail blocks take (part of kv_cache_usage_perc)",
                                           stats.tail_blocks_used),
             "num_requests_running": ("Requests in the running batch", engine.num_running),
-            "num_requests_waiting": ("Requests waiting for admission", engine.num_waiting),
+            "num_requests_waiting": ("Requests waiting for admission or swapped out", engine.num_waiting),
+            "num_requests_swapped": ("Requests whose blocks wait in tier 1", stats.num_swapped),
             "avg_sequence_length": ("Mean tokens per running request",
                                     stats.logical_tokens / stats.num_requests if stats.num_requests else 0.0),
             "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens", cache.hit_rate),
@@ -57,6 +58,9 @@ class _PoolCollector:
             "prefix_cache_hits": ("Prompt tokens served from the prefix cache", cache.hits),
             "num_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "prefix_cache_evictions": ("Cached blocks evicted", cache.evictions),
+            "kv_swaps_out": ("Requests preempted by swapping their blocks to tier 1", stats.swaps_out),
+            "kv_swaps_in": ("Swapped-out requests brought back into the pool", stats.swaps_in),
+            "kv_swap_fallbacks": ("Swap preemptions that recomputed instead: tier 1 was full", stats.swap_fallbacks),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)
