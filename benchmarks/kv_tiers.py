@@ -11,7 +11,7 @@ Workloads (token ids, EOS ignored, requests run one at a time so TTFT is the pre
 left the pool before it is asked again; ``multi-turn`` runs N conversations turn by turn,
 round-robin, each turn's prompt the whole history so far. ``swap``: 16 requests of 1,024
 prompt tokens submitted at once into a pool for two of them (8x oversubscribed), preempted by
-recompute or by swapping their blocks to tier 1.
+recompute or by swapping their blocks to tier 1 (the pool holds two prompts, not their growth).
 
     python benchmarks/kv_tiers.py --out docs/results/kv_tiers.json
 """
@@ -127,7 +127,8 @@ def swap_vs_recompute(loaded: Any, args: argparse.Namespace) -> dict[str, Any]:
     common = dict(loaded=loaded, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, max_model_len=1088,
                   max_num_seqs=16, enable_prefix_caching=False, kv_offload_memory="2GiB")
     probe = LLM(**common, kv_cache_memory="64MiB").engine  # type: ignore[arg-type]
-    blocks = 2 * (1088 // args.block_size + probe.tail_blocks) + 2  # two requests at their full length
+    # two prompts fit, not their growth: running requests preempt each other as they decode
+    blocks = 2 * (1024 // args.block_size + probe.tail_blocks) + 2 + probe.tail_blocks
     rows: dict[str, Any] = {}
     for mode in ("recompute", "swap"):
         llm = LLM(**common, kv_cache_memory=blocks * probe.kv_block_bytes, preemption_mode=mode)  # type: ignore[arg-type]

@@ -292,12 +292,13 @@ class KVCacheManager:
         self.num_swaps_out += 1
         return True
 
-    def swap_in(self, request_id: str) -> bool:
+    def swap_in(self, request_id: str, headroom: int = 0) -> bool:
         """Bring a swapped-out request's blocks back into fresh pool blocks (copied before the
-        step's forward pass). False if the pool is short (nothing changes then)."""
+        step's forward pass), leaving ``headroom`` blocks free. False if the pool is short
+        (nothing changes then)."""
         state = self.swapped[request_id]
         tail_cost = self.tail_blocks
-        if state.num_blocks + tail_cost > self.pool.num_free_blocks:
+        if state.num_blocks + tail_cost + headroom > self.pool.num_free_blocks:
             return False
         tail: list[KVCacheBlock] = []
         if tail_cost:

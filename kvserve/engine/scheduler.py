@@ -86,7 +86,11 @@ class Scheduler:
         chunks = []
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            if not self.kv.swap_in(request.request_id):
+            # leave a block per running request (and this one) for the next decode step: without
+            # it, a request swapped in is preempted again at once (measured: 121 swaps for 15
+            # recompute preemptions on 16 long prompts in a pool for two)
+            headroom = len(self.running) + 1 if self.running else 0  # alone, it always fits
+            if not self.kv.swap_in(request.request_id, headroom=headroom):
                 break
             self.swapped.popleft()
             request.status = RequestStatus.RUNNING
