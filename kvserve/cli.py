@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (overrides utilization)")
     g.add_argument("--kv-offload-memory", default=None,
                    help="tier 1: keep prefix blocks the pool evicts in this much host memory, e.g. 8GiB")
+    g.add_argument("--kv-offload-disk", default=None,
+                   help="tier 2: a directory for the blocks tier 1 drops, found again after a restart")
+    g.add_argument("--kv-offload-disk-size", default="10GiB", help="tier 2's capacity (default: %(default)s)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights+activations+KV (CPU: of RAM)")
     g.add_argument("--device-memory", default=None, help="device memory to plan against, e.g. 24GB")
@@ -57,6 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory, "kv_offload_memory": args.kv_offload_memory,
+        "kv_offload_disk": args.kv_offload_disk, "kv_offload_disk_size": args.kv_offload_disk_size,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,

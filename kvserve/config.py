@@ -111,6 +111,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     kv_offload_memory: int | str | None = None  # tier 1: evicted prefix blocks kept in host memory
+    kv_offload_disk: str | None = None  # tier 2: a directory for what tier 1 drops (kept across restarts)
+    kv_offload_disk_size: int | str = "10GiB"
     gpu_memory_utilization: float = 0.9
     device_memory: int | str | None = None
     max_num_seqs: int = 64
@@ -162,6 +164,9 @@ class EngineConfig:
             self.device_memory = parse_size(self.device_memory, "device_memory")
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_size(self.kv_offload_memory, "kv_offload_memory")
+        self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size, "kv_offload_disk_size")
+        if self.kv_offload_disk is not None and self.kv_offload_memory is None:
+            raise ConfigError("kv_offload_disk keeps the blocks tier 1 drops: give kv_offload_memory too")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -221,20 +221,20 @@ def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(ki
     assert layer.block_bytes == kv_block_bytes(KVLayout.standard(heads, dim), 1, kind, block_size, mode)
     torch.manual_seed(0)
     cache.zero_new_blocks(blocks - 1)  # as if every block had been handed out
-    for tensor in cache._per_block():  # arbitrary stored contents, scales kept positive and finite
+    for tensor in cache.per_block_tensors():  # arbitrary stored contents, scales kept positive and finite
         if tensor.dtype == torch.uint8:
             tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8))
         elif tensor.dtype.is_floating_point and tensor.element_size() >= 2:
             tensor.copy_(torch.rand(tensor.shape) + 0.1)
         else:  # fp8 codes
             tensor.copy_((torch.rand(tensor.shape) * 2 - 1).to(tensor.dtype))
-    before = [t.clone() for t in cache._per_block()]
+    before = [t.clone() for t in cache.per_block_tensors()]
     cache.copy_blocks([(1, 4), (2, 5)])
     tables = torch.tensor([[1, 2], [4, 5]])
     lens = torch.tensor([2 * block_size, 2 * block_size])
     for layer in cache.layers:
         read = layer.gather(tables, lens, None, torch.float32)
         torch.testing.assert_close(read[1], read[0], atol=0, rtol=0, equal_nan=True)  # random fp8 bytes hold NaNs
-    for old, new in zip(before, cache._per_block(), strict=True):
+    for old, new in zip(before, cache.per_block_tensors(), strict=True):
         assert torch.equal(new[[4, 5]].view(torch.uint8), old[[1, 2]].view(torch.uint8))
         assert torch.equal(new[:4].view(torch.uint8), old[:4].view(torch.uint8))  # nothing else moved

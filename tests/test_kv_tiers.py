@@ -156,3 +156,88 @@ def test_swap_needs_tier_1() -> None:
         EngineConfig(preemption_mode="swap")
     with pytest.raises(ConfigError, match="preemption_mode must be one of recompute, swap, got 'drop'"):
         EngineConfig(preemption_mode="drop")
+
+
+def _disk_llm(path: str, budget: int, disk: Path, **extra: object) -> LLM:
+    return LLM(path, block_size=16, max_model_len=320, max_num_seqs=2, kv_cache_memory=budget,
+               kv_offload_memory=8 * 16 * 2**10, kv_offload_disk=str(disk), kv_offload_disk_size="64MiB",
+               **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def disk_setup(tiny_model_factory: Callable[..., Path]) -> tuple[str, int, list[list[int]], list[list[int]]]:
+    """A tiny model, a pool for one document, a tier 1 of 8 blocks, and the expected outputs."""
+    path = str(tiny_model_factory("llama"))
+    common = dict(block_size=16, max_model_len=320, max_num_seqs=2)
+    budget = _pool_bytes(path, common, tokens=320)
+    prompts = documents(num_docs=6, length=256, questions=2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in _one_by_one(LLM(path, **common, kv_cache_memory="8MiB"), prompts, params)]
+    return path, budget, prompts, expected
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_disk_tier_keeps_what_tier_1_drops_and_survives_a_restart(disk_setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path, budget, prompts, expected = disk_setup
+    first = _disk_llm(path, budget, tmp_path)
+    assert [o.token_ids for o in _one_by_one(first, prompts, PARAMS)] == expected
+    disk = first.engine.kv_manager.disk_tier
+    assert disk is not None
+    disk.flush()
+    cpu_tier, on_disk = first.kv_stats().tiers
+    assert cpu_tier.evictions > 0  # tier 1 is small: what it dropped went to disk
+    assert on_disk.name == "disk" and on_disk.blocks_in > 0 and on_disk.hits > 0 and on_disk.errors == 0
+    # a restart on the same directory: the documents come back from disk, not from recompute
+    second = _disk_llm(path, budget, tmp_path)
+    outputs = _one_by_one(second, prompts[:6], PARAMS)
+    assert [o.token_ids for o in outputs] == expected[:6]
+    assert second.kv_stats().tiers[1].hits > 0 and sum(o.num_cached_tokens for o in outputs) > 0
+    # another KV format on the same directory never reads those files
+    other = _disk_llm(path, budget, tmp_path, kv_cache_dtype="bf16")
+    outs = _one_by_one(other, prompts[:6], PARAMS)
+    assert other.kv_stats().tiers[1].hits == 0 and all(o.num_cached_tokens == 0 for o in outs)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "foreign"])
+def test_damaged_block_files_are_recomputed_never_served(disk_setup, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    path, budget, prompts, expected = disk_setup
+    first = _disk_llm(path, budget, tmp_path)
+    _one_by_one(first, prompts, PARAMS)  # both rounds: every document's whole chain reaches the disk
+    first.engine.kv_manager.disk_tier.flush()  # type: ignore[union-attr]
+    files = sorted(tmp_path.glob("*/*/*.kvb"))
+    assert files
+    for i, file in enumerate(files):
+        data = file.read_bytes()
+        if damage == "truncate":
+            file.write_bytes(data[: len(data) // 2])
+        elif damage == "flip":
+            file.write_bytes(data[:-7] + bytes([data[-7] ^ 0x10]) + data[-6:])
+        elif damage == "delete":
+            file.unlink()
+        else:  # another block's file under this name: the key in the header does not match
+            file.write_bytes(files[(i + 1) % len(files)].read_bytes() if len(files) > 1 else b"")
+    second = _disk_llm(path, budget, tmp_path)
+    if damage == "delete":  # the index is rebuilt from the directory: nothing to find, nothing served
+        second.engine.kv_manager.disk_tier.index.update(dict.fromkeys(bytes.fromhex(f.stem) for f in files))  # type: ignore[union-attr]
+    assert [o.token_ids for o in _one_by_one(second, prompts[:6], PARAMS)] == expected[:6]
+    disk_stats = second.kv_stats().tiers[1]
+    assert disk_stats.hits == 0 and disk_stats.errors > 0
+
+
+def test_disk_full_or_unwritable_is_survived(disk_setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import errno
+    import os
+
+    path, budget, prompts, expected = disk_setup
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    llm = _disk_llm(path, budget, tmp_path)
+    assert [o.token_ids for o in _one_by_one(llm, prompts, PARAMS)] == expected
+    llm.engine.kv_manager.disk_tier.flush()  # type: ignore[union-attr]
+    disk_stats = llm.kv_stats().tiers[1]
+    assert disk_stats.errors > 0 and disk_stats.blocks == 0 and not list(tmp_path.glob("*/*/*"))

@@ -266,6 +266,8 @@ def test_plan_counts_the_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
     assert report.kv_offload_memory_bytes == 8 * 2**30 and report.tier_sessions == 8 * 2**30 // per_seq
     assert any("Tier 1" in line and f"{report.tier_sessions} more sessions" in line for line in report.advice)
     assert plan(spec, device_memory="80GB").tier_sessions == 0
+    disk = plan(spec, context=4096, device_memory="80GB", kv_dtype="int4", kv_offload_disk_size="100GiB")
+    assert disk.disk_sessions == 100 * 2**30 // per_seq and any("Tier 2" in line for line in disk.advice)
     code, out, _ = _run(capsys, "--preset", "llama-3.1-8b", "--device-memory", "24GB", "--kv-offload-memory", "8GiB",
                         "--json")
     assert code == 0 and json.loads(out)["tier_sessions"] > 0

@@ -20,6 +20,7 @@ from kvserve.bench.datasets import Sample
 _USAGE = ("kvserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _PREEMPT = ("kvserve:num_preemptions_total", "vllm:num_preemptions_total")
 _HITS = ("kvserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+_TIER_HITS = ("kvserve:kv_tier_hits_total",)  # summed over tiers
 _QUERIES = ("kvserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
 
 
@@ -102,6 +103,7 @@ class ServerTrace:
     peak_rss_bytes: float = 0.0
     preemptions: float = 0.0
     prefix_hit_rate: float | None = None
+    tier_hits: float | None = None  # prefix blocks promoted from KV tiers below the pool (kvserve)
     kv_snapshot_at_peak: dict[str, Any] | None = None  # kvserve's /v1/kv when usage peaked
 
 
@@ -136,6 +138,8 @@ async def _watch(client: httpx.AsyncClient, base_url: str, headers: dict[str, st
         queries = (first(end, _QUERIES) or 0.0) - (first(begin, _QUERIES) or 0.0)
         hits = (first(end, _HITS) or 0.0) - (first(begin, _HITS) or 0.0)
         trace.prefix_hit_rate = hits / queries if queries > 0 else None
+        tier_end = first(end, _TIER_HITS)
+        trace.tier_hits = None if tier_end is None else tier_end - (first(begin, _TIER_HITS) or 0.0)
 
 
 async def run_level(base_url: str, model: str, samples: list[Sample], concurrency: int | None = None,

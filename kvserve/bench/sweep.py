@@ -58,7 +58,7 @@ def level_stats(level: float, results: list[RequestResult], wall: float, trace: 
         "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles([r.tpot for r in ok if r.output_tokens > 1]),
         "itl_s": percentiles([gap for r in ok for gap in r.itl]), "e2e_s": percentiles([r.e2e for r in ok]),
         "peak_kv_usage": trace.peak_kv_usage, "peak_rss_bytes": trace.peak_rss_bytes,
-        "preemptions": trace.preemptions, "prefix_hit_rate": trace.prefix_hit_rate,
+        "preemptions": trace.preemptions, "prefix_hit_rate": trace.prefix_hit_rate, "tier_hits": trace.tier_hits,
         "kv_snapshot_at_peak": trace.kv_snapshot_at_peak,
         "requests_detail": [{"ok": r.ok, "ttft": r.ttft, "e2e": r.e2e, "prompt_tokens": r.prompt_tokens,
                              "output_tokens": r.output_tokens} for r in results],
@@ -190,14 +190,17 @@ def report_markdown(runs: list[dict[str, Any]], names: list[str], plots: list[Pa
         where = (f"The knee is at {run['mode']} {knee['level']:g} (limited by {knee['limiting_factor']}): "
                  if knee["level"] is not None else "No knee in this sweep: ")
         lines += [where + knee["reason"] + ". " + run["diagnosis"].capitalize() + ".", ""]
+        tiers = any(lv.get("tier_hits") is not None for lv in run["levels"])  # a kvserve server with KV tiers
         lines += [f"| {run['mode']} | req/s | output tok/s | goodput | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | "
-                  "E2E p99 (s) | peak KV | preemptions | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "E2E p99 (s) | peak KV | preemptions | " + ("KV tier hits (blocks) | " if tiers else "") + "errors |",
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "") + "---|"]
         for lv in run["levels"]:
+            tier_cell = f"{lv['tier_hits'] or 0:g} | " if tiers else ""
             lines.append(
                 f"| {lv['level']:g} | {lv['request_throughput']:.2f} | {lv['output_throughput']:.1f} | "
                 f"{lv['goodput']:.2f} | {lv['ttft_s']['p50']:.2f} / {lv['ttft_s']['p99']:.2f} | "
                 f"{1000 * lv['tpot_s']['p50']:.0f} / {1000 * lv['tpot_s']['p99']:.0f} | {lv['e2e_s']['p99']:.2f} | "
-                f"{100 * lv['peak_kv_usage']:.0f}% | {lv['preemptions']:g} | {lv['errors']} |")
+                f"{100 * lv['peak_kv_usage']:.0f}% | {lv['preemptions']:g} | {tier_cell}{lv['errors']} |")
         lines.append("")
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"

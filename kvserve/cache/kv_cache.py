@@ -26,6 +26,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_format import KEY_SCALE_MODES
 from kvserve.cache.kv_quant import (
     FLOAT_KINDS,
@@ -481,6 +482,7 @@ class PagedKVCache:
         self.zeroed_up_to = -1
         self.zero_new_blocks(0)
         self.host_store: HostBlockStore | None = None
+        self.disk: DiskTier | None = None
 
     @property
     def uses_tail(self) -> bool:
@@ -491,18 +493,27 @@ class PagedKVCache:
         """Some layer stores per-token value scales as it writes (the step needs their rows)."""
         return any(layer.value_scales is not None and not layer.keeps_tail_block for layer in self.layers)
 
-    def _per_block(self) -> list[torch.Tensor]:
+    def per_block_tensors(self) -> list[torch.Tensor]:
+        """Every layer's per-block tensors, in a fixed order: a block is these tensors' rows."""
         return [tensor for layer in self.layers for tensor in layer.per_block_tensors()]
 
-    def attach_host_tier(self, capacity_blocks: int) -> None:
-        """Host memory for tier 1 (kv_tiers): ``capacity_blocks`` blocks in the stored format."""
-        self.host_store = HostBlockStore(self._per_block(), capacity_blocks)
+    def attach_host_tier(self, capacity_blocks: int, disk: DiskTier | None = None) -> None:
+        """Host memory for tier 1 (kv_tiers): ``capacity_blocks`` blocks in the stored format;
+        ``disk``: tier 2, which receives the blocks tier 1 drops."""
+        self.host_store = HostBlockStore(self.per_block_tensors(), capacity_blocks)
+        self.disk = disk
 
     def run_tier_moves(self, moves: TierMoves | None) -> None:
-        """A step's demotions and promotions (after first-use zeroing, before the forward pass)."""
-        if moves is not None and (moves.demotions or moves.promotions):
-            assert self.host_store is not None, "tier moves need attach_host_tier"
-            self.host_store.run(self._per_block(), moves)
+        """A step's moves (after first-use zeroing, before the forward pass): tier 1's dropped
+        blocks handed to tier 2 (written in the background), demotions, promotions, blocks read
+        from tier 2."""
+        if moves is None or not any(moves):
+            return
+        assert self.host_store is not None, "tier moves need attach_host_tier"
+        if self.disk is not None:
+            for slot, key in moves.spills:
+                self.disk.put(key, self.host_store.read(slot))
+        self.host_store.run(self.per_block_tensors(), moves)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` onto block ``dst`` for each (src, dst), every layer, in its stored
@@ -514,14 +525,14 @@ class PagedKVCache:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.clipped.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.clipped.device)
         self.zero_new_blocks(int(dst.max()))
-        for tensor in self._per_block():
+        for tensor in self.per_block_tensors():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def zero_new_blocks(self, max_block_id: int) -> None:
         """Zero blocks up to ``max_block_id`` on first use. The pool hands out never-used blocks
         in id order, so this touches each block once and pages stay lazily committed."""
         if max_block_id > self.zeroed_up_to:
-            for tensor in self._per_block():
+            for tensor in self.per_block_tensors():
                 tensor[self.zeroed_up_to + 1 : max_block_id + 1].zero_()
             self.zeroed_up_to = max_block_id
 
@@ -534,7 +545,7 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the block pools (data and per-block scales); tail slots live inside them."""
-        return sum(t.numel() * t.element_size() for t in self._per_block())
+        return sum(t.numel() * t.element_size() for t in self.per_block_tensors())
 
     def zero_tail_slots(self, slots: list[int]) -> None:
         """Zero newly handed-out tail slots: their blocks may hold old codes, which read as floats

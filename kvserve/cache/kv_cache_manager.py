@@ -11,7 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
 
 TokenReader = Callable[[int, int], list[int]]  # (start, end) -> the request's token ids in [start, end)
@@ -149,7 +152,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 tail_blocks: int = 0, host_tier: TierIndex | None = None) -> None:
+                 tail_blocks: int = 0, host_tier: TierIndex | None = None, disk_tier: DiskTier | None = None,
+                 disk_block_like: list[torch.Tensor] | None = None) -> None:
         """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
         (kv_format.tail_blocks), the aligned run of pool blocks that holds one; every request
         holding blocks then holds one run, taken with its first blocks and freed with them."""
@@ -162,6 +166,9 @@ class KVCacheManager:
         self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
         self.tail_blocks = tail_blocks
         self.host_tier = host_tier  # tier 1 (kv_tiers): evicted prefix blocks, swapped-out requests
+        self.disk_tier = disk_tier if host_tier is not None else None  # tier 2 (kv_disk): what tier 1 drops
+        self._disk_like = disk_block_like or []  # the pool's per-block tensors: how a block read back looks
+        self._disk_loaded: dict[bytes, list[torch.Tensor]] = {}  # verified tier-2 blocks, until promoted
         if host_tier is not None and enable_prefix_caching:
             self.pool.on_evict = host_tier.demote
         self.tails: dict[str, list[KVCacheBlock]] = {}
@@ -214,7 +221,7 @@ class KVCacheManager:
             block = self.pool.cached_block(block_hash)
             if block is not None:
                 hits.append(block)
-            elif self.host_tier is not None and block_hash in self.host_tier:
+            elif self._in_lower_tier(block_hash):
                 hits.append(block_hash)
             else:
                 break
@@ -246,14 +253,16 @@ class KVCacheManager:
         if missing + tail_cost > self.pool.num_free_blocks - reviving:
             return False
         if new:
-            # tier-1 hits leave the tier first, so that no claim below can demote them out of it
-            tier_slots = {key: self.host_tier.take(key) for key in cached or [] if isinstance(key, bytes)
-                          } if self.host_tier is not None else {}
+            # tier-1 hits leave the tier first, so that no claim below can demote them out of it;
+            # tier-2 hits were read and verified by the lookup (slot -1: loaded from disk)
+            tier_slots = {key: self.host_tier.take(key) if key in self.host_tier else -1
+                          for key in cached or [] if isinstance(key, bytes)} if self.host_tier is not None else {}
             if tail_cost:
                 tail = self.pool.get_aligned_run(tail_cost, {block.block_id for block in table})
                 if tail is None:
                     for key, slot in tier_slots.items():
-                        self.host_tier.give_back(key, slot)  # type: ignore[union-attr]
+                        if slot >= 0:
+                            self.host_tier.give_back(key, slot)  # type: ignore[union-attr]
                     return False
                 self.tails[request_id] = tail
                 self.new_tail_slots.append(tail[0].block_id // tail_cost)
@@ -337,13 +346,30 @@ class KVCacheManager:
                 table.append(hit)
                 continue
             block = next(fresh)
-            tier.promote(slots[hit], block.block_id)
+            if slots[hit] >= 0:
+                tier.promote(slots[hit], block.block_id)
+            else:
+                tier.load(block.block_id, self._disk_loaded.pop(hit))
             self.pool.cache_block(block, hit)
             table.append(block)
         return table
 
+    def _in_lower_tier(self, key: bytes) -> bool:
+        """In tier 1, or in tier 2 with its file read and verified (a bad file is a miss)."""
+        if self.host_tier is not None and key in self.host_tier:
+            return True
+        if self.disk_tier is None or key not in self.disk_tier:
+            return False
+        if key not in self._disk_loaded:
+            tensors = self.disk_tier.load(key, self._disk_like)
+            if tensors is None:
+                return False
+            self._disk_loaded[key] = tensors
+        return True
+
     def take_tier_moves(self) -> TierMoves | None:
-        """This step's copies between the pool and tier 1 (run before the forward pass)."""
+        """This step's copies between the pool and the tiers (run before the forward pass)."""
+        self._disk_loaded.clear()  # a waiting request reads its tier-2 hits again next step
         return self.host_tier.take_moves() if self.host_tier is not None else None
 
     def _publish(self, request_id: str, num_tokens: int, tokens: TokenReader) -> None:
@@ -450,7 +476,7 @@ class KVCacheManager:
             prefix_cache=self.prefix_cache_stats(),
             tail_slots_used=len(self.tails),
             tail_blocks_used=len(self.tails) * self.tail_blocks,
-            tiers=[self.host_tier.stats()] if self.host_tier is not None else [],
+            tiers=[tier.stats() for tier in (self.host_tier, self.disk_tier) if tier is not None],
             swaps_out=self.num_swaps_out, swaps_in=self.num_swaps_in, swap_fallbacks=self.num_swap_fallbacks,
             num_swapped=len(self.swapped),
         )

@@ -35,13 +35,16 @@ class TierStats(NamedTuple):
     blocks_out: int  # blocks promoted out of it
     evictions: int  # blocks dropped because the tier was full
     discarded: int  # copies dropped because the pool had recomputed the same block
+    errors: int = 0  # disk: blocks found missing or damaged (recomputed), writes that failed
 
 
 class TierMoves(NamedTuple):
-    """One step's copies between the pool and tier 1."""
+    """One step's copies between the pool and the tiers, in the order they run."""
 
-    demotions: list[tuple[int, int]]  # (pool block id, tier slot): run first
-    promotions: list[tuple[int, int]]  # (tier slot, pool block id): run second
+    spills: list[tuple[int, bytes]]  # (tier slot, key): tier 1's dropped blocks, read out for tier 2 first
+    demotions: list[tuple[int, int]]  # (pool block id, tier slot)
+    promotions: list[tuple[int, int]]  # (tier slot, pool block id)
+    loads: list[tuple[int, list[torch.Tensor]]]  # (pool block id, a block read from tier 2)
 
 
 class TierIndex:
@@ -58,6 +61,8 @@ class TierIndex:
         self._released: list[int] = []  # freed by this step's promotions: reusable after the moves ran
         self._demotions: dict[int, int] = {}  # slot -> pool block id (a later demotion to a slot wins)
         self._promotions: list[tuple[int, int]] = []
+        self._spills: list[tuple[int, bytes]] = []  # LRU blocks dropped this step (tier 2 may keep them)
+        self._loads: list[tuple[int, list[torch.Tensor]]] = []
         self.hits = self.blocks_in = self.blocks_out = self.evictions = self.discarded = 0
         self.num_reserved = 0  # slots holding swapped-out requests' blocks (no key, never evicted)
 
@@ -72,8 +77,7 @@ class TierIndex:
         if not self._free:
             if not self.slots:
                 return  # every slot is being promoted out this step
-            _, slot = self.slots.popitem(last=False)
-            self.evictions += 1
+            slot = self._drop_oldest()
         else:
             slot = self._free.pop()
         self.slots[key] = slot
@@ -113,12 +117,23 @@ class TierIndex:
         if count > len(self._free) + len(self.slots):
             return None
         while len(self._free) < count:
-            _, slot = self.slots.popitem(last=False)
-            self._demotions.pop(slot, None)
-            self._free.append(slot)
-            self.evictions += 1
+            self._free.append(self._drop_oldest())
         self.num_reserved += count
         return [self._free.pop() for _ in range(count)]
+
+    def _drop_oldest(self) -> int:
+        """Drop the least recently used block (to tier 2, if there is one): its slot."""
+        key, slot = self.slots.popitem(last=False)
+        if slot in self._demotions:  # its bytes have not even arrived: nothing to spill
+            del self._demotions[slot]
+        else:
+            self._spills.append((slot, key))
+        self.evictions += 1
+        return slot
+
+    def load(self, block_id: int, tensors: list[torch.Tensor]) -> None:
+        """Copy a block read from tier 2 into pool block ``block_id`` in this step's moves."""
+        self._loads.append((block_id, tensors))
 
     def save(self, block_id: int, slot: int) -> None:
         """Copy pool block ``block_id`` into reserved ``slot`` in this step's moves."""
@@ -136,8 +151,9 @@ class TierIndex:
 
     def take_moves(self) -> TierMoves:
         """This step's copies, in the order they must run; their slots become reusable."""
-        moves = TierMoves([(block, slot) for slot, block in self._demotions.items()], self._promotions)
-        self._demotions, self._promotions = {}, []
+        moves = TierMoves(self._spills, [(block, slot) for slot, block in self._demotions.items()],
+                          self._promotions, self._loads)
+        self._spills, self._demotions, self._promotions, self._loads = [], {}, [], []
         self._free.extend(self._released)
         self._released = []
         return moves
@@ -158,8 +174,13 @@ class HostBlockStore:
         self.storage = [torch.empty((capacity_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
                         for t in per_block]
 
+    def read(self, slot: int) -> list[torch.Tensor]:
+        """A copy of one slot's block (for tier 2)."""
+        return [host[slot].clone() for host in self.storage]
+
     def run(self, per_block: list[torch.Tensor], moves: TierMoves) -> None:
-        """Demotions (pool -> host) first, then promotions (host -> pool), batched per tensor."""
+        """Demotions (pool -> host), then promotions (host -> pool), batched per tensor, then
+        blocks read from tier 2 (spills are read out by the caller before this)."""
         if moves.demotions:
             blocks = torch.tensor([b for b, _ in moves.demotions], dtype=torch.long)
             slots = torch.tensor([s for _, s in moves.demotions], dtype=torch.long)
@@ -170,3 +191,6 @@ class HostBlockStore:
             blocks = torch.tensor([b for _, b in moves.promotions], dtype=torch.long)
             for pool, host in zip(per_block, self.storage, strict=True):
                 pool.index_copy_(0, blocks.to(pool.device), host.index_select(0, slots).to(pool.device))
+        for block_id, tensors in moves.loads:
+            for pool, tensor in zip(per_block, tensors, strict=True):
+                pool[block_id].copy_(tensor)

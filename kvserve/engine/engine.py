@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -13,6 +14,7 @@ import torch
 
 from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
+from kvserve.cache.kv_disk import DiskTier, namespace
 from kvserve.cache.kv_format import (
     KVLayout,
     kv_block_bytes,
@@ -121,10 +123,11 @@ class LLMEngine:
             model_config.head_dim, self.dtype, self.device, self.kv_quant)
         self._clip_warned = False
         host_tier = self._host_tier()
+        disk_tier = self._disk_tier()
         if host_tier is not None:
-            self.kv_cache.attach_host_tier(host_tier.capacity_blocks)
+            self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         self.tail_blocks, host_tier)
+                                         self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors())
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
@@ -237,6 +240,21 @@ class LLMEngine:
                     format_bytes(capacity * self.kv_block_bytes))
         return TierIndex("cpu", capacity, self.kv_block_bytes)
 
+    def _disk_tier(self) -> DiskTier | None:
+        """Tier 2 on disk (--kv-offload-disk), under a namespace of everything that decides what a
+        block's bytes mean, so a directory shared with another model or format is never misread."""
+        cfg = self.config
+        if cfg.kv_offload_disk is None:
+            return None
+        scales_hash = hashlib.sha256(Path(cfg.kv_scales).read_bytes()).hexdigest() if cfg.kv_scales else None
+        quant = self.kv_quant
+        space = namespace(self.fingerprint, str(self.dtype), quant.kv_dtype, quant.key_scale_mode,
+                          sorted(quant.skip_layers), quant.value_scale_override, cfg.block_size, scales_hash)
+        disk = DiskTier(cfg.kv_offload_disk, int(cfg.kv_offload_disk_size), space, self.kv_block_bytes)
+        logger.info("KV tier 2 (disk): %s, %d blocks = %d tokens, %s", disk.dir, disk.capacity_blocks,
+                    disk.capacity_blocks * cfg.block_size, format_bytes(int(cfg.kv_offload_disk_size)))
+        return disk
+
     def _activation_peak(self) -> int:
         cfg, mcfg = self.config, self.model_config
         tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
@@ -319,7 +337,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         moves = self.kv_manager.take_tier_moves()  # every step, even one with nothing to run
-        if moves is not None and (moves.demotions or moves.promotions):
+        if moves is not None and any(moves):
             self.kv_cache.zero_new_blocks(self.kv_manager.pool.max_block_id_used)  # before blocks are loaded
             self.kv_cache.run_tier_moves(moves)
         if scheduled.block_copies:

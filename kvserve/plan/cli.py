@@ -45,6 +45,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--block-size", type=int, default=16)
     work.add_argument("--kv-offload-memory", default=None, help="tier 1 in host memory, e.g. 8GiB: how many more "
                       "sessions' prefixes it holds beyond the pool")
+    work.add_argument("--kv-offload-disk-size", default=None, help="tier 2 on disk, e.g. 100GiB: the same")
     work.add_argument("--activation-memory", help="activation + framework reserve, e.g. 4GB (default: estimated)")
     work.add_argument("--max-num-batched-tokens", type=int, default=2048, help="for the activation estimate")
     parser.add_argument("--json", action="store_true", help="machine-readable output (keys in docs/plan.md)")
@@ -111,6 +112,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else None,
         max_num_batched_tokens=args.max_num_batched_tokens, context_distribution=args.context_distribution,
         key_scales=args.kv_key_scales, kv_offload_memory=args.kv_offload_memory or 0,
+        kv_offload_disk_size=args.kv_offload_disk_size or 0,
     )
     if args.json:
         print(json.dumps({**report.to_dict(), "device_memory_source": memory_source}, indent=2))
@@ -150,6 +152,9 @@ def render(r: PlanReport, memory_source: str) -> None:
     if r.kv_offload_memory_bytes:
         table.add_row("tier 1 (host memory)", f"{r.kv_offload_memory_bytes:,}",
                       f"prefixes of {r.tier_sessions:,} more sessions x {r.context} tokens")
+    if r.kv_offload_disk_bytes:
+        table.add_row("tier 2 (disk)", f"{r.kv_offload_disk_bytes:,}",
+                      f"prefixes of ~{r.disk_sessions:,} more sessions x {r.context} tokens")
     console.print(table)
     whatif = Table(title="what if: KV dtype")
     for col in ("KV dtype", "B/token", "KV total", "total", "fits?", f"max seqs @ {r.context}",

@@ -66,6 +66,8 @@ class PlanReport:
     max_context: int
     kv_offload_memory_bytes: int = 0  # tier 1 (host memory) below the pool
     tier_sessions: int = 0  # more sequences of ``context`` tokens whose prefix blocks tier 1 holds
+    kv_offload_disk_bytes: int = 0  # tier 2 on disk
+    disk_sessions: int = 0  # ... and tier 2
     what_if: list[WhatIf] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -130,7 +132,7 @@ def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_m
          gpu_memory_utilization: float = 0.9, kv_dtype: str = "auto", weight_dtype: str | None = None,
          block_size: int = 16, activation_memory: int | str | None = None, max_num_batched_tokens: int = 2048,
          context_distribution: str = "fixed", key_scales: str = "static",
-         kv_offload_memory: int | str = 0) -> PlanReport:
+         kv_offload_memory: int | str = 0, kv_offload_disk_size: int | str = 0) -> PlanReport:
     """Plan ``concurrency`` sequences of ``context`` tokens on ``device_memory`` (bytes or a
     size like "24GB"). ``activation_memory`` overrides the activation + reserve estimate;
     ``key_scales`` picks int8/int4's key scales: one static table, or also one per block."""
@@ -200,11 +202,14 @@ def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_m
         total_bytes=mine.total_bytes, fits=mine.fits, margin_bytes=usable - mine.total_bytes,
         max_concurrency=mine.max_concurrency, max_context=mine.max_context, what_if=rows,
     )
-    offload = parse_size(kv_offload_memory, "kv_offload_memory") if kv_offload_memory else 0
-    if offload:
-        # a tier keeps whole blocks in their stored format (tails stay in the pool)
-        report.kv_offload_memory_bytes = offload
-        report.tier_sessions = offload // max(1, sizer.sequence_bytes(context) - sizer.extra)
+    # a tier keeps whole blocks in their stored format (tails stay in the pool)
+    blocks_bytes = max(1, sizer.sequence_bytes(context) - sizer.extra)
+    if kv_offload_memory:
+        report.kv_offload_memory_bytes = parse_size(kv_offload_memory, "kv_offload_memory")
+        report.tier_sessions = report.kv_offload_memory_bytes // blocks_bytes
+    if kv_offload_disk_size:
+        report.kv_offload_disk_bytes = parse_size(kv_offload_disk_size, "kv_offload_disk_size")
+        report.disk_sessions = report.kv_offload_disk_bytes // blocks_bytes  # (each file adds a 112-byte header)
     report.advice = _advice(report, spec)
     return report
 
@@ -263,6 +268,10 @@ def _advice(r: PlanReport, spec: ModelSpec) -> list[str]:
         lines.append(f"Tier 1: {gib(r.kv_offload_memory_bytes)} of host memory keeps the prefix blocks of "
                      f"{r.tier_sessions} more sessions x {r.context} tokens beyond the pool; an evicted prefix is "
                      "copied back instead of recomputed (kvserve serve --kv-offload-memory).")
+    if r.kv_offload_disk_bytes:
+        lines.append(f"Tier 2: {gib(r.kv_offload_disk_bytes)} of disk keeps the prefix blocks of about "
+                     f"{r.disk_sessions} more sessions x {r.context} tokens, across restarts "
+                     "(kvserve serve --kv-offload-disk DIR --kv-offload-disk-size).")
     if spec.max_position_embeddings and r.context > spec.max_position_embeddings:
         lines.append(f"Note: context {r.context} exceeds the model's {spec.max_position_embeddings} positions.")
     return lines

@@ -74,7 +74,8 @@ def _tier_metrics(tiers: list[TierStats]) -> Iterator[Metric]:
     counters = {"kv_tier_hits": ("Prefix blocks promoted from a tier back into the pool", "hits"),
                 "kv_tier_blocks_in": ("Blocks demoted into a tier", "blocks_in"),
                 "kv_tier_blocks_out": ("Blocks promoted out of a tier", "blocks_out"),
-                "kv_tier_evictions": ("Blocks dropped from a full tier", "evictions")}
+                "kv_tier_evictions": ("Blocks dropped from a full tier", "evictions"),
+                "kv_tier_errors": ("Disk blocks found missing or damaged (recomputed) and failed writes", "errors")}
     for name, (doc, field) in gauges.items():
         gauge = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["tier"])
         for tier in tiers:
