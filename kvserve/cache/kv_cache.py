@@ -513,7 +513,12 @@ class PagedKVCache:
         if self.disk is not None:
             for slot, key in moves.spills:
                 self.disk.put(key, self.host_store.read(slot))
+            for block_id, key in moves.pool_spills:
+                self.disk.put(key, [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()])
         self.host_store.run(self.per_block_tensors(), moves)
+        if self.disk is not None:  # write-through: what the pool evicts is kept on disk too
+            for slot, key in moves.persist:
+                self.disk.put(key, self.host_store.read(slot))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` onto block ``dst`` for each (src, dst), every layer, in its stored

@@ -42,7 +42,9 @@ class TierMoves(NamedTuple):
     """One step's copies between the pool and the tiers, in the order they run."""
 
     spills: list[tuple[int, bytes]]  # (tier slot, key): tier 1's dropped blocks, read out for tier 2 first
+    pool_spills: list[tuple[int, bytes]]  # (pool block id, key): dropped before they even reached tier 1
     demotions: list[tuple[int, int]]  # (pool block id, tier slot)
+    persist: list[tuple[int, bytes]]  # (tier slot, key): prefix blocks demoted now, written through to tier 2
     promotions: list[tuple[int, int]]  # (tier slot, pool block id)
     loads: list[tuple[int, list[torch.Tensor]]]  # (pool block id, a block read from tier 2)
 
@@ -60,8 +62,10 @@ class TierIndex:
         self._free = list(range(capacity_blocks - 1, -1, -1))
         self._released: list[int] = []  # freed by this step's promotions: reusable after the moves ran
         self._demotions: dict[int, int] = {}  # slot -> pool block id (a later demotion to a slot wins)
+        self._demoted_keys: dict[int, bytes] = {}  # slot -> key, for the demotions of prefix blocks
         self._promotions: list[tuple[int, int]] = []
         self._spills: list[tuple[int, bytes]] = []  # LRU blocks dropped this step (tier 2 may keep them)
+        self._pool_spills: list[tuple[int, bytes]] = []
         self._loads: list[tuple[int, list[torch.Tensor]]] = []
         self.hits = self.blocks_in = self.blocks_out = self.evictions = self.discarded = 0
         self.num_reserved = 0  # slots holding swapped-out requests' blocks (no key, never evicted)
@@ -82,6 +86,7 @@ class TierIndex:
             slot = self._free.pop()
         self.slots[key] = slot
         self._demotions[slot] = block_id
+        self._demoted_keys[slot] = key
         self.blocks_in += 1
 
     def discard(self, key: bytes) -> None:
@@ -124,8 +129,8 @@ class TierIndex:
     def _drop_oldest(self) -> int:
         """Drop the least recently used block (to tier 2, if there is one): its slot."""
         key, slot = self.slots.popitem(last=False)
-        if slot in self._demotions:  # its bytes have not even arrived: nothing to spill
-            del self._demotions[slot]
+        if slot in self._demotions:  # its bytes have not arrived yet: tier 2 takes them from the pool block
+            self._pool_spills.append((self._demotions.pop(slot), key))
         else:
             self._spills.append((slot, key))
         self.evictions += 1
@@ -138,6 +143,7 @@ class TierIndex:
     def save(self, block_id: int, slot: int) -> None:
         """Copy pool block ``block_id`` into reserved ``slot`` in this step's moves."""
         self._demotions[slot] = block_id
+        self._demoted_keys.pop(slot, None)  # a swapped-out block is no prefix to persist
 
     def restore(self, slots: list[int], block_ids: list[int]) -> None:
         """Copy reserved ``slots`` back into pool blocks; the slots are free after the step."""
@@ -151,9 +157,11 @@ class TierIndex:
 
     def take_moves(self) -> TierMoves:
         """This step's copies, in the order they must run; their slots become reusable."""
-        moves = TierMoves(self._spills, [(block, slot) for slot, block in self._demotions.items()],
-                          self._promotions, self._loads)
-        self._spills, self._demotions, self._promotions, self._loads = [], {}, [], []
+        demotions = [(block, slot) for slot, block in self._demotions.items()]
+        persist = [(slot, key) for slot, key in self._demoted_keys.items() if slot in self._demotions]
+        moves = TierMoves(self._spills, self._pool_spills, demotions, persist, self._promotions, self._loads)
+        self._spills, self._pool_spills, self._demotions, self._demoted_keys = [], [], {}, {}
+        self._promotions, self._loads = [], []
         self._free.extend(self._released)
         self._released = []
         return moves
