@@ -269,6 +269,7 @@ def test_tier_metrics_and_kv_route(tiny_chat_model: LoadedModel) -> None:
                    for f in text_string_to_metric_families(httpx.get(base + "/metrics").text) for s in f.samples}
         assert samples[("kvserve:kv_tier_hits_total", "cpu")] > 0
         assert samples[("kvserve:kv_tier_capacity_bytes", "cpu")] > 0
+        assert samples[("kvserve:kv_tier_load_seconds_count", "cpu")] == samples[("kvserve:kv_tier_hits_total", "cpu")]
         tier = httpx.get(base + "/v1/kv").json()["tiers"][0]
         assert tier["name"] == "cpu" and tier["hits"] == samples[("kvserve:kv_tier_hits_total", "cpu")]
     finally:

@@ -520,6 +520,15 @@ class PagedKVCache:
             for slot, key in moves.persist:
                 self.disk.put(key, self.host_store.read(slot))
 
+    def take_load_seconds(self) -> list[tuple[str, float]]:
+        """(tier, seconds) of each block loaded back into the pool since the last call."""
+        loads: list[tuple[str, float]] = []
+        for name, source in (("cpu", self.host_store), ("disk", self.disk)):
+            if source is not None:
+                loads += [(name, seconds) for seconds in source.load_seconds]
+                source.load_seconds.clear()
+        return loads
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` onto block ``dst`` for each (src, dst), every layer, in its stored
         format (codes and per-block scales alike). Sources hold data, so they were zeroed when

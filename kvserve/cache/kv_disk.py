@@ -23,7 +23,8 @@ import os
 import queue
 import struct
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ class DiskTier:
         self.index: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self.hits = self.blocks_in = self.blocks_out = self.evictions = self.errors = 0
+        self.load_seconds: deque[float] = deque(maxlen=4096)  # per block read back, until drained (metrics)
         self._load_index()
         self._writes: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-tier", daemon=True)
@@ -160,6 +162,7 @@ class DiskTier:
     def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The block's per-block tensors (shaped and typed as one block of each of ``like``), or
         None if its file is missing or bad (then it is forgotten and counted in ``errors``)."""
+        start = time.perf_counter()
         try:
             data = self._path(key).read_bytes()
         except OSError:
@@ -182,6 +185,7 @@ class DiskTier:
                 self.index.move_to_end(key)
             self.hits += 1
             self.blocks_out += 1
+        self.load_seconds.append(time.perf_counter() - start)
         return tensors
 
     def _verify(self, key: bytes, data: bytes) -> bytes | None:

@@ -19,7 +19,8 @@ recycled after the moves ran).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from typing import NamedTuple
 
 import torch
@@ -181,6 +182,8 @@ class HostBlockStore:
         # torch.empty: on CPU, host pages are only committed as blocks are demoted into them
         self.storage = [torch.empty((capacity_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
                         for t in per_block]
+        # per block promoted (a step's batch, shared out), until drained by the metrics (bounded otherwise)
+        self.load_seconds: deque[float] = deque(maxlen=4096)
 
     def read(self, slot: int) -> list[torch.Tensor]:
         """A copy of one slot's block (for tier 2)."""
@@ -195,10 +198,13 @@ class HostBlockStore:
             for pool, host in zip(per_block, self.storage, strict=True):
                 host.index_copy_(0, slots, pool.index_select(0, blocks.to(pool.device)).to(host.device))
         if moves.promotions:
+            start = time.perf_counter()
             slots = torch.tensor([s for s, _ in moves.promotions], dtype=torch.long)
             blocks = torch.tensor([b for _, b in moves.promotions], dtype=torch.long)
             for pool, host in zip(per_block, self.storage, strict=True):
                 pool.index_copy_(0, blocks.to(pool.device), host.index_select(0, slots).to(pool.device))
+            per_block_seconds = (time.perf_counter() - start) / len(moves.promotions)
+            self.load_seconds.extend([per_block_seconds] * len(moves.promotions))
         for block_id, tensors in moves.loads:
             for pool, tensor in zip(per_block, tensors, strict=True):
                 pool[block_id].copy_(tensor)

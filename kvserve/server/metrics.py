@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvserve.server.async_engine import AsyncEngine
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LOAD = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -103,8 +104,13 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _LATENCY)
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per token after the first", _LATENCY)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
+        self.tier_load = Histogram("kvserve:kv_tier_load_seconds", "Time to bring one block back into the pool "
+                                   "from a KV tier", ["tier"], buckets=_LOAD, registry=self.registry)
+        self.kv_cache = engine.engine.kv_cache
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
+        for tier, seconds in self.kv_cache.take_load_seconds():
+            self.tier_load.labels(tier).observe(seconds)
         for out in outputs:
             if not out.finished:
                 continue
