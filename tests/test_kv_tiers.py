@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.cache.block_pool import KVCacheBlock
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.kv_tiers import TierIndex
+from kvserve.cache.kv_tiers import TierIndex, TierMoves
 
 
 def documents(num_docs: int, length: int, questions: int) -> list[list[int]]:
@@ -57,6 +57,22 @@ def _one_by_one(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> l
     return [llm.generate([p], params)[0] for p in prompts]
 
 
+def doc_tokens(doc: int) -> Callable[[int, int], list[int]]:
+    """Token ids of one of a few documents: requests on the same document share prefixes."""
+    return lambda start, end: [doc * 1000 + i for i in range(start, end)]
+
+
+def apply_moves(kv: KVCacheManager, host: dict[int, object], pool: dict[int, object]) -> TierMoves:
+    """Run the step's moves on a model of what each tier slot and pool block holds."""
+    moves = kv.take_tier_moves()
+    assert moves is not None
+    for block, slot in moves.demotions:
+        host[slot] = pool[block]
+    for slot, block in moves.promotions:
+        pool[block] = host[slot]
+    return moves
+
+
 @given(ops=st.lists(st.tuples(st.sampled_from(["submit", "finish"]), st.integers(0, 9), st.integers(1, 80)),
                     max_size=60),
        num_blocks=st.integers(6, 30), tier_blocks=st.integers(1, 12))
@@ -68,23 +84,18 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
     slot last written with the same key; after draining, every byte is accounted."""
     tier = TierIndex("cpu", tier_blocks, 100)
     kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=True, host_tier=tier)
-    content: dict[int, bytes] = {}  # tier slot -> key whose bytes it holds (after the moves ran)
-    pool_content: dict[int, bytes] = {}  # pool block -> key whose bytes it holds
+    content: dict[int, object] = {}  # tier slot -> key whose bytes it holds (after the moves ran)
+    pool_content: dict[int, object] = {}  # pool block -> key whose bytes it holds
     for op, rid, length in ops:
         request_id = f"r{rid}"
         if op == "finish" or request_id in kv.block_tables:
             kv.free(request_id)
             kv.forget(request_id)
             continue
-        tokens = (lambda doc: lambda a, b: [doc * 1000 + i for i in range(a, b)])(rid % 3)
+        tokens = doc_tokens(rid % 3)
         cached = kv.find_cached_prefix(request_id, length, tokens)
         if kv.allocate_slots(request_id, length, tokens, cached):
-            moves = kv.take_tier_moves()
-            assert moves is not None
-            for block, slot in moves.demotions:
-                content[slot] = pool_content[block]
-            for slot, block in moves.promotions:
-                pool_content[block] = content[slot]
+            moves = apply_moves(kv, content, pool_content)
             read = {b.block_id for b in cached if isinstance(b, KVCacheBlock)} | {b for _, b in moves.promotions}
             for block in kv.block_tables[request_id]:
                 if block.block_hash is None:
@@ -272,16 +283,11 @@ def test_swap_and_demotion_never_mix_up_blocks(ops: list[tuple[str, int, int]], 
         return hashes[i] if i < len(hashes) else (request_id, i)
 
     def run_moves() -> None:
-        moves = kv.take_tier_moves()
-        assert moves is not None
-        for block, slot in moves.demotions:
-            host[slot] = pool[block]
-        for slot, block in moves.promotions:
-            pool[block] = host[slot]
+        apply_moves(kv, host, pool)
 
     for op, rid, length in ops:
         request_id = f"r{rid}"
-        tokens = (lambda doc: lambda a, b: [doc * 1000 + i for i in range(a, b)])(rid % 3)
+        tokens = doc_tokens(rid % 3)
         if op == "submit" and request_id not in kv.block_tables and request_id not in kv.swapped:
             cached = kv.find_cached_prefix(request_id, length, tokens)
             if kv.allocate_slots(request_id, length, tokens, cached):
