@@ -69,6 +69,12 @@ def run(llm: LLM, requests: list[tuple[list[int], bool]]) -> dict[str, Any]:
     total = time.perf_counter() - start
     stats = llm.kv_stats()
     tiers = [t._asdict() for t in stats.tiers]
+    loads: dict[str, list[float]] = {}
+    for tier, seconds in llm.engine.kv_cache.take_load_seconds():
+        loads.setdefault(tier, []).append(seconds)
+    for tier in tiers:  # mean time to bring one block back, per tier (the load histogram's mean)
+        times = loads.get(tier["name"], [])
+        tier["load_ms_per_block"] = 1e3 * statistics.mean(times) if times else None
     return {"total_s": total, "prefill_tokens_computed": computed,
             "ttft_reused_mean_s": statistics.mean(ttft_reused), "ttft_reused_p50_s": statistics.median(ttft_reused),
             "ttft_reused_p99_s": sorted(ttft_reused)[min(len(ttft_reused) - 1, int(0.99 * len(ttft_reused)))],
@@ -88,6 +94,8 @@ def main() -> None:
     workloads = {
         "doc-qa": (doc_qa(num_docs=8, doc_len=1024, questions=3, vocab=vocab), 2048),
         "multi-turn": (multi_turn(num_chats=8, turns=4, turn_len=64, reply_len=32, vocab=vocab), 1024),
+        # one-block documents: where loading a block could cost more than recomputing it
+        "short-doc-qa": (doc_qa(num_docs=64, doc_len=16, questions=3, vocab=vocab), 256),
     }
     results: dict[str, Any] = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
                                "block_size": args.block_size, "workloads": {}}
@@ -113,7 +121,9 @@ def main() -> None:
             print(f"{name:10s} {label:22s} total {rows[label]['total_s']:6.1f} s, reused-turn TTFT mean "
                   f"{1e3 * rows[label]['ttft_reused_mean_s']:7.1f} ms p50 {1e3 * rows[label]['ttft_reused_p50_s']:7.1f}"
                   f" p99 {1e3 * rows[label]['ttft_reused_p99_s']:7.1f}, prefill computed "
-                  f"{rows[label]['prefill_tokens_computed']}", flush=True)
+                  f"{rows[label]['prefill_tokens_computed']}; ms per block loaded: "
+                  + ", ".join(f"{t['name']} {t['load_ms_per_block']:.3f}" for t in rows[label]["tiers"]
+                              if t["load_ms_per_block"] is not None), flush=True)
             del llm
         same = all(r["outputs"] == rows["all in pool"]["outputs"] for r in rows.values())
         for r in rows.values():
