@@ -115,7 +115,7 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
     assert stats.blocks_in - stats.blocks_out - stats.evictions - stats.discarded == stats.blocks
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int4"])
 def test_swap_preemption_keeps_outputs_and_skips_recompute(kv_dtype: str,
                                                            tiny_model_factory: Callable[..., Path]) -> None:
     """16 long requests at once in a pool for two (8x oversubscribed): swap preemption moves a victim's blocks (its
@@ -242,6 +242,19 @@ def test_damaged_block_files_are_recomputed_never_served(disk_setup, tmp_path: P
     assert [o.token_ids for o in _one_by_one(second, prompts[:6], PARAMS)] == expected[:6]
     disk_stats = second.kv_stats().tiers[1]
     assert disk_stats.hits == 0 and disk_stats.errors > 0
+
+
+def test_a_file_damaged_under_a_running_engine_is_recomputed(disk_setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path, budget, prompts, expected = disk_setup
+    llm = _disk_llm(path, budget, tmp_path)
+    assert [o.token_ids for o in _one_by_one(llm, prompts[:6], PARAMS)] == expected[:6]
+    llm.engine.kv_manager.disk_tier.flush()  # type: ignore[union-attr]
+    for file in tmp_path.glob("*/*/*.kvb"):  # every block on disk, bit-flipped in place
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0x01
+        file.write_bytes(bytes(data))
+    assert [o.token_ids for o in _one_by_one(llm, prompts[6:], PARAMS)] == expected[6:]
+    assert llm.kv_stats().tiers[1].errors > 0  # (later hits are blocks written again since, intact)
 
 
 def test_disk_full_or_unwritable_is_survived(disk_setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
