@@ -23,7 +23,7 @@ def documents(num_docs: int, length: int, questions: int) -> list[list[int]]:
     return [docs[d] + [200 + q, 201 + q] for q in range(questions) for d in range(num_docs)]
 
 
-@pytest.mark.parametrize("kv_dtype,block_size", [("fp32", 16), ("fp32", 64), ("bf16", 16), ("int4", 16),
+@pytest.mark.parametrize("kv_dtype,block_size", [("fp32", 16), ("fp32", 64), ("bf16", 16), ("bf16", 64), ("int4", 16),
                                                  ("int4", 64)])
 def test_tier_outputs_equal_no_tier_with_a_working_set_five_times_the_pool(
         kv_dtype: str, block_size: int, tiny_model_factory: Callable[..., Path]) -> None:
