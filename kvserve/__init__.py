@@ -1,6 +1,6 @@
 """kvserve: a KV-cache-first LLM inference engine."""
 
-from kvserve.cache.kv_cache_manager import KVCacheStats
+from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import InvalidRequestError, LLMEngine, RequestOutput
 from kvserve.engine.sampling import SamplingParams

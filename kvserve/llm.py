@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
-from kvserve.cache.kv_cache_manager import KVCacheStats
+from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine, LoadedModel, RequestOutput
 from kvserve.engine.sampling import SamplingParams

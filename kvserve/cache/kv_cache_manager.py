@@ -8,14 +8,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.kv_disk import DiskTier
-from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
+from kvserve.cache.kv_stats import KVCacheStats, PrefixCacheStats
+from kvserve.cache.kv_tiers import TierIndex, TierMoves
 
 TokenReader = Callable[[int, int], list[int]]  # (start, end) -> the request's token ids in [start, end)
 CachedBlock = KVCacheBlock | bytes  # a prefix hit: a pool block, or the key of a block in tier 1
@@ -40,106 +40,6 @@ class SwappedBlocks(NamedTuple):
     num_blocks: int  # table blocks (the rest of ``slots`` is the tail run)
     num_tokens: int
     num_published: int
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache counters since start-up (vLLM's prefix_cache_queries/hits are in tokens)."""
-
-    enabled: bool
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of those, tokens found in the cache
-    cached_blocks: int = 0  # blocks holding a published key
-    evictable_blocks: int = 0  # cached blocks no running request holds
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    def __str__(self) -> str:
-        if not self.enabled:
-            return "prefix cache: off"
-        return (f"prefix cache: hit rate {100 * self.hit_rate:.1f}% ({self.hits}/{self.queries} tokens), "
-                f"{self.cached_blocks} cached blocks ({self.evictable_blocks} evictable), "
-                f"{self.evictions} evictions")
-
-
-@dataclass(slots=True)
-class KVCacheStats:
-    """A snapshot of the pool. Token figures count slots, not bytes.
-
-    Physical figures count each block once: ``live_tokens`` are the slots holding a token, so
-    ``utilization`` <= 1 and ``tail_waste`` >= 0 always. Logical figures count what requests
-    see: a prefix block shared by k requests is k blocks' worth of ``logical_tokens``."""
-
-    block_size: int
-    num_blocks: int  # usable blocks (the null block excluded)
-    blocks_used: int
-    blocks_free: int
-    blocks_cached: int
-    live_tokens: int  # physical: slots holding a token (a shared block counts once)
-    allocated_slots: int  # block_size * blocks in block tables (blocks_used less tail blocks)
-    num_requests: int
-    logical_tokens: int = 0  # sum of every running request's tokens (a shared block counts per holder)
-    num_preemptions: int = 0  # counted by the engine (the scheduler reports them)
-    peak_blocks_used: int = 0
-    peak_live_tokens: int = 0
-    peak_num_requests: int = 0
-    utilization_at_peak: float = 1.0
-    mean_utilization: float = 1.0
-    per_request_blocks: dict[str, int] = field(default_factory=dict)
-    prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(enabled=False))
-    kv_cache_dtype: str = ""  # set by the engine
-    clip_ratio: float = 0.0  # elements clipped by static KV scales / elements checked (drift watch)
-    tail_slots_used: int = 0  # running sequences holding a full-precision tail block (int4, per-block int8)
-    tail_blocks_used: int = 0  # pool blocks those tails take (counted in blocks_used, not in allocated_slots)
-    tiers: list[TierStats] = field(default_factory=list)  # lower tiers (kv_tiers), top first
-    swaps_out: int = 0  # requests preempted by swapping their blocks to tier 1
-    swaps_in: int = 0
-    swap_fallbacks: int = 0  # swap preemptions that recomputed instead: tier 1 was full
-    num_swapped: int = 0  # requests whose blocks wait in tier 1 now
-
-    @property
-    def usage(self) -> float:
-        """Fraction of usable blocks held by requests (vLLM's kv_cache_usage_perc / 100)."""
-        return self.blocks_used / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def utilization(self) -> float:
-        """Physical live / allocated: how much of the memory handed out holds real tokens (<= 1)."""
-        return self.live_tokens / self.allocated_slots if self.allocated_slots else 1.0
-
-    @property
-    def tail_waste(self) -> int:
-        """Allocated slots holding no token (the unused end of each last block); >= 0."""
-        return self.allocated_slots - self.live_tokens
-
-    @property
-    def sharing_factor(self) -> float:
-        """Logical / physical tokens: how many times prefix sharing multiplies the pool (>= 1)."""
-        return self.logical_tokens / self.live_tokens if self.live_tokens else 1.0
-
-    @property
-    def peak_usage(self) -> float:
-        return self.peak_blocks_used / self.num_blocks if self.num_blocks else 0.0
-
-    def __str__(self) -> str:
-        tails = f", {self.tail_blocks_used} in tail blocks" if self.tail_blocks_used else ""
-        return (
-            f"KV cache: usage {100 * self.usage:.1f}% ({self.blocks_used}/{self.num_blocks} blocks used, "
-            f"{self.blocks_free} free, {self.blocks_cached} cached{tails}), live tokens {self.live_tokens} "
-            f"(logical {self.logical_tokens}, sharing x{self.sharing_factor:.2f}), "
-            f"allocated slots {self.allocated_slots}, utilization {100 * self.utilization:.1f}%, "
-            f"tail waste {self.tail_waste} slots | peak: usage {100 * self.peak_usage:.1f}% "
-            f"({self.peak_blocks_used} blocks), live tokens {self.peak_live_tokens}, "
-            f"{self.peak_num_requests} requests, utilization at peak {100 * self.utilization_at_peak:.1f}%, "
-            f"mean utilization {100 * self.mean_utilization:.1f}% | preemptions {self.num_preemptions} | "
-            f"{self.prefix_cache}"
-            + "".join(f" | tier {t.name}: {t.blocks} blocks ({t.used_bytes / 2**20:.1f}/"
-                      f"{t.capacity_bytes / 2**20:.1f} MiB), {t.hits} hits, {t.blocks_in} in, {t.evictions} dropped"
-                      for t in self.tiers)
-        )
 
 
 class KVCacheManager:

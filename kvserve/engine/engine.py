@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
-from kvserve.cache.kv_cache_manager import KVCacheManager, KVCacheStats
+from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_disk import DiskTier, namespace
 from kvserve.cache.kv_format import (
     KVLayout,
@@ -24,6 +24,7 @@ from kvserve.cache.kv_format import (
 )
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.cache.kv_scales import KVScales, model_fingerprint
+from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.cache.kv_tiers import TierIndex
 from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
 from kvserve.engine.activations import estimate_activation_bytes

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvserve.cache.kv_cache_manager import KVCacheStats
+from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.engine.engine import LLMEngine, RequestOutput
 from kvserve.engine.sampling import SamplingParams
 
