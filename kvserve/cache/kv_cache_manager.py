@@ -223,12 +223,10 @@ class KVCacheManager:
         self.num_tokens[request_id] = state.num_tokens
         self._logical_tokens += state.num_tokens
         # its full blocks were published before: these copies are published again where no equal
-        # block is cached in either tier
+        # block is cached
         for block, block_hash in zip(table, self.block_hashes.get(request_id, [])[: state.num_published],
                                      strict=False):
-            self.pool.cache_block(block, block_hash)
-            if block.block_hash == block_hash:
-                self.host_tier.discard(block_hash)
+            self._cache(block, block_hash)
         self.num_published[request_id] = state.num_published
         self.num_swaps_in += 1
         return True
@@ -250,7 +248,7 @@ class KVCacheManager:
                 tier.promote(slots[hit], block.block_id)
             else:
                 tier.load(block.block_id, self._disk_loaded.pop(hit))
-            self.pool.cache_block(block, hit)
+            self._cache(block, hit)
             table.append(block)
         return table
 
@@ -282,10 +280,15 @@ class KVCacheManager:
             return
         hashes = self._hashes(request_id, tokens, full)
         for block, block_hash in zip(table[start:full], hashes[start:full], strict=True):
-            self.pool.cache_block(block, block_hash)
-            if self.host_tier is not None and block.block_hash == block_hash:
-                self.host_tier.discard(block_hash)  # tiers stay exclusive: a key lives in one
+            self._cache(block, block_hash)
         self.num_published[request_id] = full
+
+    def _cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Publish a full block under its key (unless an equal block is); tiers stay exclusive,
+        so a copy of it in tier 1 is dropped."""
+        self.pool.cache_block(block, block_hash)
+        if self.host_tier is not None and block.block_hash == block_hash:
+            self.host_tier.discard(block_hash)
 
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks to the pool (finished, aborted or preempted), or its

@@ -133,7 +133,7 @@ class LLMEngine:
                                    config.scheduling_policy, preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0  # requests sent back to the queue (recompute), since start-up
+        self.num_preemptions = 0  # requests preempted (recomputed or swapped out) since start-up
         self._arrivals = itertools.count()
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -34,9 +34,10 @@ class ScheduledChunk:
 
 
 class SchedulerOutput(NamedTuple):
-    """One step's decisions. The engine runs ``block_copies`` (source, destination block ids:
-    moves that swapping and tiers ask for) before the forward pass, then the chunks, and counts
-    ``preempted`` (requests sent back to the queue this step, newest first)."""
+    """One step's decisions. The engine runs ``block_copies`` (source, destination block ids
+    inside the pool; no policy asks for any yet: moves between tiers go through the
+    KVCacheManager) before the forward pass, then the chunks, and counts ``preempted``
+    (requests recomputed or swapped out this step, newest first)."""
 
     chunks: list[ScheduledChunk]
     preempted: list[Request]

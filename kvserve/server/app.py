@@ -24,7 +24,13 @@ from kvserve.engine.engine import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+)
 
 
 class APIError(Exception):
@@ -48,6 +54,10 @@ class ServerConfig:
     max_waiting: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_logprobs: int = 20  # vLLM's --max-logprobs
+
+
+def _engine_dead(exc: EngineDeadError) -> APIError:
+    return APIError(500, str(exc), kind="internal_server_error", code="engine_dead")
 
 
 _UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
@@ -101,7 +111,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return APIError(500, str(exc), kind="internal_server_error", code="engine_dead").response()
+        return _engine_dead(exc).response()
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Response:
@@ -200,8 +210,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         if body.messages is not None:
-            tokens = _chat_tokens([m.model_dump(exclude_none=True) | {"content": m.content or ""}
-                                   for m in body.messages], body.add_generation_prompt)
+            tokens = _chat_tokens(chat_messages(body.messages), body.add_generation_prompt)
         else:
             assert body.prompt is not None
             tokens = _encode(body.prompt, body.add_special_tokens)
@@ -318,8 +327,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if include_usage:
                 yield chunk([], _usage(prompt_tokens, generated))
         except EngineDeadError as exc:  # the status line went out already: report it in the stream
-            error = APIError(500, str(exc), kind="internal_server_error", code="engine_dead")
-            yield f"data: {json.dumps(error.body())}\n\n"
+            yield f"data: {json.dumps(_engine_dead(exc).body())}\n\n"
         else:
             yield "data: [DONE]\n\n"
         finally:

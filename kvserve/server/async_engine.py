@@ -182,13 +182,12 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine failed and is restarting: {self._error!r}")
             request = self.engine.add_request(sub.prompt, sub.params, stream=sub.stream)
         except (ValueError, EngineDeadError) as exc:
-            with self._lock:
-                self._queued -= 1
             sub.accepted.set_exception(exc)
             return
-        with self._lock:
-            self._queued -= 1
-            self._engine_waiting = self.engine.num_waiting
+        finally:
+            with self._lock:  # taken off the command queue: in the scheduler's count now, or rejected
+                self._queued -= 1
+                self._engine_waiting = self.engine.num_waiting
         self._sinks[request.request_id] = sub
         sub.accepted.set_result(request.request_id)
 

@@ -193,7 +193,12 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in self.messages]
+        return chat_messages(self.messages)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (content parts already joined into text)."""
+    return [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in messages]
 
 
 class TokenizeRequest(_Strict):
