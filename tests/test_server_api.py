@@ -274,3 +274,15 @@ def test_tier_metrics_and_kv_route(tiny_chat_model: LoadedModel) -> None:
         assert tier["name"] == "cpu" and tier["hits"] == samples[("kvserve:kv_tier_hits_total", "cpu")]
     finally:
         stop()
+
+
+def test_shutdown_finishes_queued_disk_writes(tiny_chat_model: LoadedModel, tmp_path: Any) -> None:
+    engine, _, base, stop = start_server(tiny_chat_model, {"kv_cache_memory": "160KiB", "kv_offload_memory": "64KiB",
+                                                           "kv_offload_disk": str(tmp_path)})
+    docs = [[(7 * d + i) % 200 + 3 for i in range(96)] for d in range(4)]
+    for doc in docs:
+        assert post(base, "/v1/completions", {"prompt": doc, "max_tokens": 2}).status_code == 200
+    stop()  # the engine's shutdown
+    disk = engine.engine.kv_manager.disk_tier
+    assert disk._writes.unfinished_tasks == 0 and not disk._writer.is_alive()
+    assert len(list(tmp_path.glob("*/*/*.kvb"))) == len(disk.index) > 0

@@ -121,6 +121,7 @@ class DiskTier:
         self._writes.join()
 
     def close(self) -> None:
+        """Write what is queued, then stop the writer thread."""
         self._writes.put(None)
         self._writer.join(timeout=30)
 

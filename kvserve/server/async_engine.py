@@ -70,6 +70,9 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+        disk = self.engine.kv_manager.disk_tier
+        if disk is not None:  # finish the queued block writes, so a restart finds them
+            disk.close()
 
     @property
     def kv_stats(self) -> KVCacheStats:
