@@ -50,6 +50,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse cached blocks of shared prompt prefixes (default: on)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="admission order: arrival, or longest cached prefix first (bounded wait)")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer: sliding-window layers keep every block too")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                    help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
@@ -68,6 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers, "kv_key_scales": args.kv_key_scales,
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
+        "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
     }
 
 

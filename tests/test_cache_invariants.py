@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvserve.cache.kv_cache_manager import KVCacheManager, TokenReader, cdiv
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
 from kvserve.cache.kv_tiers import TierIndex
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
@@ -17,37 +18,51 @@ from kvserve.engine.scheduler import Scheduler
 
 
 def check_manager(kv: KVCacheManager) -> None:
-    owners = Counter(b.block_id for table in kv.block_tables.values() for b in table)
+    owners = Counter(b.block_id for rid, tables in kv.block_tables.items()
+                     for table, first in zip(tables, kv.num_released[rid], strict=True) for b in table[first:])
     assert 0 not in owners, "the null block was handed out"
     assert all(b.ref_cnt >= 0 for b in kv.pool.blocks)
     free_ids = {b.block_id for b in kv.pool.free_queue}
     assert len(free_ids) == kv.pool.num_free_blocks
     assert not free_ids & set(owners)
-    tail_ids = [b.block_id for run in kv.tails.values() for b in run]
-    assert set(kv.tails) == set(kv.block_tables) if kv.tail_blocks else not kv.tails  # one tail run per request
-    for run in kv.tails.values():  # aligned, contiguous, held once, past the null block's run
+    runs = [run for group_runs in kv.tails.values() for run in group_runs]
+    tail_ids = [b.block_id for run in runs for b in run]
+    assert set(kv.tails) == set(kv.block_tables) if kv.tail_blocks else not kv.tails  # tail runs per request
+    assert all(len(group_runs) == len(kv.groups) for group_runs in kv.tails.values())  # one per group
+    for run in runs:  # aligned, contiguous, held once, past the null block's run
         ids = [b.block_id for b in run]
         assert ids == list(range(ids[0], ids[0] + kv.tail_blocks)) and ids[0] % kv.tail_blocks == 0 and ids[0]
         assert all(b.ref_cnt == 1 and b.block_hash is None for b in run)
     assert len(set(tail_ids)) == len(tail_ids) and not set(tail_ids) & (free_ids | set(owners))
     assert len(free_ids) + len(owners) + len(tail_ids) == kv.pool.num_usable_blocks
     held: dict[int, int] = {}  # physical: tokens each distinct block holds
-    for rid, table in kv.block_tables.items():
-        assert len(table) == cdiv(kv.num_tokens[rid], kv.block_size)
-        for i, block in enumerate(table):
-            assert block.ref_cnt == owners[block.block_id], "ref count != number of tables holding it"
-            if block.ref_cnt > 1:
-                assert block.block_hash is not None, "only published blocks are shared"
-            filled = min(kv.block_size, kv.num_tokens[rid] - i * kv.block_size)
-            held[block.block_id] = max(held.get(block.block_id, 0), filled)
+    logical = 0
+    for rid, tables in kv.block_tables.items():
+        for spec, table, first in zip(kv.groups, tables, kv.num_released[rid], strict=True):
+            assert len(table) == cdiv(kv.num_tokens[rid], kv.block_size)
+            assert all(b is kv.pool.null_block for b in table[:first])
+            # nothing the next query (at num_tokens) reads was released
+            assert first <= spec.first_live_block(kv.num_tokens[rid], kv.block_size)
+            logical += kv.num_tokens[rid] - first * kv.block_size
+            for i, block in enumerate(table[first:], start=first):
+                assert block.ref_cnt == owners[block.block_id], "ref count != number of tables holding it"
+                if block.ref_cnt > 1:
+                    assert block.block_hash is not None, "only published blocks are shared"
+                filled = min(kv.block_size, kv.num_tokens[rid] - i * kv.block_size)
+                held[block.block_id] = max(held.get(block.block_id, 0), filled)
     stats = kv.stats()
     assert stats.blocks_used == len(owners) + len(tail_ids) and stats.tail_blocks_used == len(tail_ids)
-    assert stats.logical_tokens == sum(kv.num_tokens.values())
+    assert stats.logical_tokens == logical == sum(g.logical_tokens for g in stats.groups)
+    assert sum(g.blocks_used for g in stats.groups) == len(owners)
     assert stats.live_tokens == sum(held.values())
     assert stats.allocated_slots == len(owners) * kv.block_size
     assert stats.utilization <= 1.0 and stats.tail_waste >= 0
-    assert stats.tail_waste < max(1, len(kv.block_tables)) * kv.block_size or not kv.block_tables
+    assert stats.tail_waste < max(1, len(kv.block_tables) * len(kv.groups)) * kv.block_size or not kv.block_tables
     assert stats.sharing_factor >= 1.0
+
+
+GROUPS = {"full": [FULL_ATTENTION], "hybrid": [FULL_ATTENTION, KVCacheSpec(5), KVCacheSpec(5)],
+          "sliding": [KVCacheSpec(17)]}
 
 
 ops = st.lists(
@@ -63,21 +78,23 @@ def shared_tokens(request_id: str) -> TokenReader:
 
 
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 40), caching=st.booleans(),
-       tail_blocks=st.sampled_from([0, 0, 2, 4]))
-@settings(max_examples=250, deadline=None)
+       tail_blocks=st.sampled_from([0, 0, 2, 4]), groups=st.sampled_from(sorted(GROUPS)))
+@settings(max_examples=300, deadline=None)
 def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, num_blocks: int,
-                            caching: bool, tail_blocks: int) -> None:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, tail_blocks=tail_blocks)
+                            caching: bool, tail_blocks: int, groups: str) -> None:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, tail_blocks=tail_blocks,
+                        groups=GROUPS[groups])
     for op, rid, n in ops:
         request_id = f"r{rid}"
         tokens = shared_tokens(request_id)
         if op == "grow":
             before = kv.pool.num_free_blocks
             target = kv.num_tokens.get(request_id, 0) + n
-            cached = [] if request_id in kv.block_tables else kv.find_cached_prefix(request_id, target, tokens)
+            cached = None if request_id in kv.block_tables else kv.find_cached_prefix(request_id, target, tokens)
             ok = kv.allocate_slots(request_id, target, tokens, cached)
             if not ok:
-                assert kv.pool.num_free_blocks == before  # a failed allocation takes nothing
+                # a failed allocation takes nothing (sliding groups may still give back blocks out of the window)
+                assert kv.pool.num_free_blocks == before or (groups != "full" and kv.pool.num_free_blocks > before)
             else:
                 assert kv.num_tokens[request_id] == target
         else:
@@ -97,7 +114,7 @@ def test_shared_prefix_counts_once() -> None:
     tokens = shared_tokens("r1")
     assert kv.allocate_slots("r1", 32, tokens)
     cached = kv.find_cached_prefix("r2", 32, tokens)
-    assert len(cached) == 1
+    assert cached.num_blocks == 1
     assert kv.allocate_slots("r2", 32, tokens, cached)
     stats = kv.stats()
     assert (stats.blocks_used, stats.allocated_slots) == (3, 48)

@@ -96,8 +96,9 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
         cached = kv.find_cached_prefix(request_id, length, tokens)
         if kv.allocate_slots(request_id, length, tokens, cached):
             moves = apply_moves(kv, content, pool_content)
-            read = {b.block_id for b in cached if isinstance(b, KVCacheBlock)} | {b for _, b in moves.promotions}
-            for block in kv.block_tables[request_id]:
+            read = {b.block_id for b in cached.blocks[0] if isinstance(b, KVCacheBlock)}
+            read |= {b for _, b in moves.promotions}
+            for block in kv.block_tables[request_id][0]:
                 if block.block_hash is None:
                     continue
                 if block.block_id in read:  # a hit: the bytes there must be its key's
@@ -305,7 +306,7 @@ def test_swap_and_demotion_never_mix_up_blocks(ops: list[tuple[str, int, int]], 
             cached = kv.find_cached_prefix(request_id, length, tokens)
             if kv.allocate_slots(request_id, length, tokens, cached):
                 run_moves()
-                for i, block in enumerate(kv.block_tables[request_id][len(cached):], start=len(cached)):
+                for i, block in enumerate(kv.block_tables[request_id][0][cached.num_blocks:], start=cached.num_blocks):
                     pool[block.block_id] = expected(request_id, i, block)  # computed this step
         elif op == "finish":
             kv.free(request_id)
@@ -317,7 +318,7 @@ def test_swap_and_demotion_never_mix_up_blocks(ops: list[tuple[str, int, int]], 
         elif op == "swap_in" and request_id in kv.swapped:
             kv.swap_in(request_id)
             run_moves()
-        for request_id, table in kv.block_tables.items():
+        for request_id, (table,) in kv.block_tables.items():
             for i, block in enumerate(table):
                 assert pool.get(block.block_id) == expected(request_id, i, block), "a block holds the wrong bytes"
         reserved = [s for state in kv.swapped.values() for s in state.slots]

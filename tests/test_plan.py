@@ -80,10 +80,14 @@ def test_sliding_window_layers_cap_at_the_window() -> None:
     assert (gemma.num_sliding_layers, gemma.sliding_window) == (52, 1024)  # every 6th of 62 layers is global
     layer_block = kv_block_bytes(gemma.kv_layout, 1, "bf16", 16)
     report = plan(gemma, context=8192, device_memory="80GB")
-    assert report.kv_bytes_per_sequence == (10 * 512 + 52 * 64) * layer_block
+    # the engine's KV cache groups: 10 layers each (1 full, 6 sliding, the last holding 2 layers in
+    # 10 layers' storage); a sliding group holds cdiv(1023, 16) + 1 = 65 blocks while decoding
+    assert report.kv_bytes_per_sequence == (512 + 6 * 65) * 10 * layer_block
     mistral = preset("mistral-7b-v0.1")
-    short, long = (plan(mistral, context=c, device_memory="80GB").kv_bytes_per_sequence for c in (4096, 32768))
-    assert short == long  # every layer slides over 4096 tokens
+    short, long, longer = (plan(mistral, context=c, device_memory="80GB").kv_bytes_per_sequence
+                           for c in (4096, 32768, 131072))
+    # every layer slides over 4096 tokens: past the window a block more at most (the window straddles one)
+    assert long == longer == short + kv_block_bytes(mistral.kv_layout, 32, "bf16", 16)
 
 
 def test_kv_dtypes_shrink_in_order_and_int4_keeps_a_full_precision_tail() -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
 from kvserve.engine.engine import LoadedModel
 from tests.conftest import first_divergence_is_near_tie, hf_greedy
 
@@ -124,12 +125,15 @@ def test_lpm_admits_the_longest_cached_prefix_first_without_starving(
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["submit", "grow", "finish", "preempt"]), st.integers(0, 9),
                           st.integers(1, 40)), min_size=1, max_size=60),
-       st.sampled_from([1, 4, 8]))
-def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], block_size: int) -> None:
+       st.sampled_from([1, 4, 8]), st.sampled_from([0, 3, 9]))
+def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], block_size: int,
+                                               window: int) -> None:
     """Simulate the engine's use of the manager, writing token ids as the 'K/V' of each slot:
     a block is only ever written by a request that holds it alone; every cache hit finds exactly
     the tokens the request expects; ref counts equal table membership; after drain all is free."""
-    manager = KVCacheManager(num_blocks=24, block_size=block_size, enable_prefix_caching=True)
+    groups = [FULL_ATTENTION] + ([KVCacheSpec(window)] * 2 if window else [])  # with window: hybrid
+    manager = KVCacheManager(num_blocks=24 * len(groups), block_size=block_size, enable_prefix_caching=True,
+                             groups=groups)
     contents: dict[int, list[int | None]] = {}
     prefixes = [[7] * 20, [7] * 12 + [8] * 8, [9] * 20]  # requests share (parts of) these
     tokens: dict[str, list[int]] = {}
@@ -137,17 +141,18 @@ def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], 
     counter = 0
 
     def write(rid: str, start: int, end: int) -> None:
-        table = manager.block_tables[rid]
-        for pos in range(start, end):
-            block = table[pos // block_size]
-            assert block.ref_cnt == 1, "a shared block would be overwritten"
-            contents.setdefault(block.block_id, [None] * block_size)[pos % block_size] = tokens[rid][pos]
+        for table in manager.block_tables[rid]:
+            for pos in range(start, end):
+                block = table[pos // block_size]
+                assert block.ref_cnt == 1, "a shared block would be overwritten"
+                contents.setdefault(block.block_id, [None] * block_size)[pos % block_size] = tokens[rid][pos]
 
     def check() -> None:
         holders: dict[int, int] = {}
-        for table in manager.block_tables.values():
-            for block in table:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for rid, tables in manager.block_tables.items():
+            for table, first in zip(tables, manager.num_released[rid], strict=True):
+                for block in table[first:]:
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in manager.pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
             assert (block.prev_free is not None) == (block.ref_cnt == 0)
@@ -162,9 +167,12 @@ def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], 
             tokens[rid] = prefixes[which % 3][: size % 21] + [100 + counter] * (1 + size % 5)
             reader = (lambda r: lambda s, e: tokens[r][s:e])(rid)
             hits = manager.find_cached_prefix(rid, len(tokens[rid]), reader)
-            for i, block in enumerate(hits):  # what the cache gives back is what this prompt needs
-                assert contents[block.block_id] == tokens[rid][i * block_size : (i + 1) * block_size]
-            start = len(hits) * block_size
+            for group in hits.blocks:  # what the cache gives back is what this prompt needs
+                assert len(group) == hits.num_blocks
+                for i, block in enumerate(group):
+                    if block is not None:
+                        assert contents[block.block_id] == tokens[rid][i * block_size : (i + 1) * block_size]
+            start = hits.num_blocks * block_size
             if manager.allocate_slots(rid, len(tokens[rid]), reader, hits):
                 write(rid, start, len(tokens[rid]))
                 computed[rid] = len(tokens[rid])

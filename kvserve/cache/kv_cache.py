@@ -152,6 +152,16 @@ class LayerKV:
         """Bytes one block takes in this layer, scales included (kv_format.kv_block_bytes agrees)."""
         return sum(t[0].numel() * t.element_size() for t in self.per_block_tensors())
 
+    def share_blocks(self, owner: LayerKV) -> None:
+        """Store blocks in ``owner``'s per-block tensors (its data, per-block scales and tail
+        slots) and keep this layer's own static scales: layers of different KV cache groups in
+        one storage slot (kv_groups) use a block only while their group owns it."""
+        if type(self) is not type(owner) or self.kind != owner.kind:
+            raise ValueError(f"layers sharing a storage slot need one KV format, got {self.kind} and {owner.kind}")
+        self.data, self.value_scales, self.tail = owner.data, owner.value_scales, owner.tail
+        if self.per_block_key_scales:
+            self.key_scales = owner.key_scales
+
     def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
         """key/value [T, kv_heads, dim]: this step's new tokens, into their slots."""
         raise NotImplementedError
@@ -462,10 +472,14 @@ class KVQuantSpec(NamedTuple):
 
 
 class PagedKVCache:
-    """Every layer's pool; block 0 (the null block) is zero-filled."""
+    """Every layer's pool; block 0 (the null block) is zero-filled. With KV cache groups
+    (kv_groups), ``layer_slots[i]`` is layer i's storage slot: the layers in one slot share
+    its per-block tensors (``storage`` holds each slot's first layer), so a pool block is one
+    group's layers' K/V."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, quant: KVQuantSpec | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, quant: KVQuantSpec | None = None,
+                 layer_slots: list[int] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_dtype = dtype
@@ -474,11 +488,20 @@ class PagedKVCache:
         # one clip counter for every layer (each adds to it in place): reading it is one sync
         self.clipped = torch.zeros((), dtype=torch.long, device=device)
         shape = PoolShape(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        slots = layer_slots or list(range(num_layers))
         self.layers: list[LayerKV] = []
-        for layer in range(num_layers):
+        owners: dict[int, LayerKV] = {}
+        for layer, slot in enumerate(slots):
             kind = quant.layer_kind(layer, model_kind)
             cls = format_class(kind, quant.key_scale_mode)
-            self.layers.append(cls.allocate(kind, shape, quant, layer, self.clipped))
+            if slot not in owners:
+                owners[slot] = cls.allocate(kind, shape, quant, layer, self.clipped)
+                self.layers.append(owners[slot])
+                continue
+            sharer = cls.allocate(kind, shape._replace(num_blocks=1), quant, layer, self.clipped)
+            sharer.share_blocks(owners[slot])
+            self.layers.append(sharer)
+        self.storage = [owners[slot] for slot in sorted(owners)]
         self.zeroed_up_to = -1
         self.zero_new_blocks(0)
         self.host_store: HostBlockStore | None = None
@@ -495,7 +518,7 @@ class PagedKVCache:
 
     def per_block_tensors(self) -> list[torch.Tensor]:
         """Every layer's per-block tensors, in a fixed order: a block is these tensors' rows."""
-        return [tensor for layer in self.layers for tensor in layer.per_block_tensors()]
+        return [tensor for layer in self.storage for tensor in layer.per_block_tensors()]
 
     def attach_host_tier(self, capacity_blocks: int, disk: DiskTier | None = None) -> None:
         """Host memory for tier 1 (kv_tiers): ``capacity_blocks`` blocks in the stored format;
@@ -567,6 +590,6 @@ class PagedKVCache:
         if not slots:
             return
         index = torch.tensor(slots, dtype=torch.long, device=self.clipped.device)
-        for layer in self.layers:
+        for layer in self.storage:
             if layer.tail is not None:
                 layer.tail.index_fill_(0, index, 0)

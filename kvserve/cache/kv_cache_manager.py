@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.kv_disk import DiskTier
-from kvserve.cache.kv_stats import KVCacheStats, PrefixCacheStats
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
+from kvserve.cache.kv_stats import KVCacheStats, KVGroupStats, PrefixCacheStats
 from kvserve.cache.kv_tiers import TierIndex, TierMoves
 
 TokenReader = Callable[[int, int], list[int]]  # (start, end) -> the request's token ids in [start, end)
@@ -33,37 +34,61 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
     return digest.digest()
 
 
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of KV cache group ``group`` (kv_groups): group 0 uses the
+    token key itself; other groups' blocks hold other layers, so they get keys of their own."""
+    return block_hash if group == 0 else hashlib.sha256(block_hash + group.to_bytes(2, "little")).digest()
+
+
+class CachedPrefix(NamedTuple):
+    """A prefix hit: the first ``num_blocks`` blocks of the request, per group. An entry is a
+    pool block, the key of a block in a lower tier (promoted by allocate_slots), or None: a block
+    out of a sliding window, which the request never reads (its table holds the null block)."""
+
+    num_blocks: int
+    blocks: list[list[CachedBlock | None]]
+
+
 class SwappedBlocks(NamedTuple):
-    """A swapped-out request: the tier-1 slots holding its table's blocks, then its tail run's."""
+    """A swapped-out request: the tier-1 slots holding each group's live blocks in turn, then
+    each group's tail run."""
 
     slots: list[int]
-    num_blocks: int  # table blocks (the rest of ``slots`` is the tail run)
+    num_live: list[int]  # per group: blocks saved (its table's entries past the released ones)
+    num_released: list[int]  # per group: leading table entries out of the window (the null block)
     num_tokens: int
     num_published: int
 
 
 class KVCacheManager:
-    """Maps each request to a block table and grows it on demand.
+    """Maps each request to one block table per KV cache group (kv_groups) and grows them on demand.
 
-    Invariants: a request's table covers exactly cdiv(num_tokens, block_size) blocks;
-    free() returns every block of the request at once. A block is in two tables only as a
-    shared, published prefix block: full, and never written again (a request writes only at
-    positions at or past its num_computed_tokens, which lie after its cache hits).
+    Invariants: each of a request's tables covers exactly cdiv(num_tokens, block_size) entries;
+    a sliding-window group's leading entries that fell wholly out of its window are the null
+    block (``num_released``) and every other entry is a block the request holds; free() returns
+    every block of the request at once. A block is in two tables only as a shared, published
+    prefix block: full, and never written again (a request writes only at positions at or past
+    its num_computed_tokens, which lie after its cache hits).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  tail_blocks: int = 0, host_tier: TierIndex | None = None, disk_tier: DiskTier | None = None,
-                 disk_block_like: list[torch.Tensor] | None = None) -> None:
+                 disk_block_like: list[torch.Tensor] | None = None,
+                 groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,), max_chunk_tokens: int = 1) -> None:
         """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
         (kv_format.tail_blocks), the aligned run of pool blocks that holds one; every request
-        holding blocks then holds one run, taken with its first blocks and freed with them."""
+        holding blocks then holds one run per group, taken with its first blocks and freed with
+        them. ``max_chunk_tokens``: the longest chunk a step computes (sizes sliding groups)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.groups = list(groups)
+        self.max_chunk_tokens = max_chunk_tokens
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self.block_tables: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
+        self.num_released: dict[str, list[int]] = {}  # per request, per group (see the class invariants)
         self.num_tokens: dict[str, int] = {}
         self.block_hashes: dict[str, list[bytes]] = {}  # keys of a request's full blocks so far
-        self.num_published: dict[str, int] = {}  # leading blocks of its table already offered to the cache
+        self.num_published: dict[str, int] = {}  # leading blocks of its tables already offered to the cache
         self.tail_blocks = tail_blocks
         self.host_tier = host_tier  # tier 1 (kv_tiers): evicted prefix blocks, swapped-out requests
         self.disk_tier = disk_tier if host_tier is not None else None  # tier 2 (kv_disk): what tier 1 drops
@@ -71,7 +96,7 @@ class KVCacheManager:
         self._disk_loaded: dict[bytes, list[torch.Tensor]] = {}  # verified tier-2 blocks, until promoted
         if host_tier is not None and enable_prefix_caching:
             self.pool.on_evict = host_tier.demote
-        self.tails: dict[str, list[KVCacheBlock]] = {}
+        self.tails: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
         self.new_tail_slots: list[int] = []  # handed out since the runner last zeroed them
         self.swapped: dict[str, SwappedBlocks] = {}  # requests whose blocks wait in tier 1
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
@@ -85,12 +110,25 @@ class KVCacheManager:
         self._util_sum = 0.0
         self._util_samples = 0
 
+    def sequence_blocks(self, num_tokens: int) -> int:
+        """Pool blocks one sequence of ``num_tokens`` tokens holds at its peak: every group's
+        share (kv_groups.KVCacheSpec.blocks_held) and its tail runs."""
+        return sum(spec.blocks_held(num_tokens, self.block_size, self.max_chunk_tokens) for spec in self.groups) \
+            + len(self.groups) * self.tail_blocks
+
     @property
     def capacity_tokens(self) -> int:
-        """Tokens one sequence can hold in an otherwise empty pool (its tail run included)."""
-        if self.tail_blocks and self.pool.num_blocks < 2 * self.tail_blocks:
-            return 0  # no aligned run besides the null block's
-        return (self.pool.num_usable_blocks - self.tail_blocks) * self.block_size
+        """Tokens one sequence can hold in an otherwise empty pool (its tail runs included)."""
+        if self.tail_blocks and self.pool.num_blocks < (len(self.groups) + 1) * self.tail_blocks:
+            return 0  # no aligned runs besides the null block's
+        usable = self.pool.num_usable_blocks
+        if all(spec.sliding_window for spec in self.groups):  # memory stops growing past the window
+            return 1 << 30 if self.sequence_blocks(1 << 30) <= usable else 0
+        low, high = 0, usable * self.block_size
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.sequence_blocks(mid) <= usable else (low, mid - 1)
+        return low
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -107,25 +145,48 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens(i * size, (i + 1) * size)))
         return hashes
 
-    def find_cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenReader) -> list[CachedBlock]:
-        """The longest run of cached blocks matching the request's first tokens: pool blocks, or
-        keys of blocks in tier 1 (promoted by allocate_slots). The last token is always left to
+    def _lookup(self, key: bytes) -> CachedBlock | None:
+        block = self.pool.cached_block(key)
+        if block is not None:
+            return block
+        return key if self._in_lower_tier(key) else None
+
+    def find_cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenReader) -> CachedPrefix:
+        """The longest cached prefix of the request's first tokens that every group can start
+        from: full-attention groups need all its blocks, sliding-window groups only the blocks
+        the next query's window reaches (vLLM's hybrid rule). Blocks are pool blocks, or keys of
+        blocks in a lower tier (promoted by allocate_slots). The last token is always left to
         compute (its logits are needed), so only blocks inside the first num_tokens - 1 tokens
         count. Takes no references (see allocate_slots) and counts nothing (see
         record_prefix_lookup): a request the pool cannot admit yet looks again."""
+        groups = len(self.groups)
         if not self.enable_prefix_caching:
-            return []
-        hits: list[CachedBlock] = []
-        num_blocks = (num_tokens - 1) // self.block_size
-        for block_hash in self._hashes(request_id, tokens, num_blocks)[:num_blocks]:
-            block = self.pool.cached_block(block_hash)
-            if block is not None:
-                hits.append(block)
-            elif self._in_lower_tier(block_hash):
-                hits.append(block_hash)
-            else:
+            return CachedPrefix(0, [[] for _ in range(groups)])
+        hashes = self._hashes(request_id, tokens, (num_tokens - 1) // self.block_size)
+        hashes = hashes[: (num_tokens - 1) // self.block_size]
+        found: list[dict[int, CachedBlock | None]] = [{} for _ in range(groups)]
+
+        def hit(group: int, index: int) -> CachedBlock | None:
+            if index not in found[group]:
+                found[group][index] = self._lookup(group_key(hashes[index], group))
+            return found[group][index]
+
+        length = len(hashes)
+        for group, spec in enumerate(self.groups):
+            if not spec.sliding_window:  # a full group caps the hit at its own unbroken prefix
+                length = next((i for i in range(length) if hit(group, i) is None), length)
+        while length > 0:  # the longest length every sliding group has the window's blocks for
+            gaps = [i for group, spec in enumerate(self.groups) if spec.sliding_window
+                    for i in range(spec.first_live_block(length * self.block_size, self.block_size), length)
+                    if hit(group, i) is None]
+            if not gaps:
                 break
-        return hits
+            length = max(gaps)  # nothing at or past a missing block can be the end of a hit
+        blocks: list[list[CachedBlock | None]] = []
+        for group, spec in enumerate(self.groups):
+            first = spec.first_live_block(length * self.block_size, self.block_size)
+            blocks.append([None] * first + [hit(group, i) for i in range(first, length)])
+        return CachedPrefix(length, blocks)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup: its tokens and how many came from the cache."""
@@ -133,70 +194,116 @@ class KVCacheManager:
             self.prefix_queries += num_tokens
             self.prefix_hits += num_hit_tokens
 
+    def _stored_tokens(self, request_id: str) -> int:
+        """Token slots the request's tables hold, over all groups (released entries excluded)."""
+        if request_id not in self.block_tables:
+            return 0
+        return sum(self.num_tokens[request_id] - self.block_size * released
+                   for released in self.num_released[request_id])
+
+    def _release_out_of_window(self, request_id: str) -> None:
+        """Sliding-window groups give back the blocks no query from now on reads (they stay in
+        the prefix cache when published). The next query is at the request's num_tokens."""
+        tables, released = self.block_tables[request_id], self.num_released[request_id]
+        first_query = self.num_tokens[request_id]
+        for group, spec in enumerate(self.groups):
+            live = spec.first_live_block(first_query, self.block_size)
+            if live > released[group]:
+                dead = tables[group][released[group] : live]
+                tables[group][released[group] : live] = [self.pool.null_block] * len(dead)
+                self.pool.free_blocks(dead[::-1])
+                self._logical_tokens -= self.block_size * len(dead)
+                released[group] = live
+
     def allocate_slots(self, request_id: str, num_tokens: int, tokens: TokenReader | None = None,
-                       cached: list[CachedBlock] | None = None) -> bool:
-        """Make room for the request's first ``num_tokens`` tokens, starting a new request's table
-        with ``cached`` (from find_cached_prefix; tier-1 hits get fresh blocks, copied back
+                       cached: CachedPrefix | None = None) -> bool:
+        """Make room for the request's first ``num_tokens`` tokens, starting a new request's tables
+        with ``cached`` (from find_cached_prefix; lower-tier hits get fresh blocks, copied back
         before the step runs). False if the pool is short (nothing is allocated then). With
         caching on, ``tokens`` reads the request's token ids, and every block that these tokens
         fill is published."""
-        pool_hits = [block for block in cached or [] if isinstance(block, KVCacheBlock)]
-        table = self.block_tables.get(request_id)
-        if table is None:
-            table = pool_hits
-        elif cached:
+        tables = self.block_tables.get(request_id)
+        new = tables is None
+        if not new and cached is not None and cached.num_blocks:
             raise ValueError(f"request {request_id!r} already has blocks; cached blocks start a table")
-        new = request_id not in self.block_tables
-        missing = self.blocks_needed(num_tokens) - len(table)
+        hits: list[list[CachedBlock | None]] = (cached.blocks if cached is not None and cached.num_blocks
+                                                 else [[] for _ in self.groups])
+        if new:
+            pool_hits = [b for group in hits for b in group if isinstance(b, KVCacheBlock)]
+            missing = sum(self.blocks_needed(num_tokens) - sum(1 for b in group if isinstance(b, KVCacheBlock)
+                                                               or b is None) for group in hits)
+        else:
+            assert tables is not None
+            self._release_out_of_window(request_id)
+            pool_hits = []
+            missing = sum(self.blocks_needed(num_tokens) - len(table) for table in tables)
         reviving = sum(1 for block in pool_hits if block.ref_cnt == 0)  # leave the free queue
-        tail_cost = self.tail_blocks if new else 0
+        tail_cost = self.tail_blocks * len(self.groups) if new else 0
         if missing + tail_cost > self.pool.num_free_blocks - reviving:
             return False
         if new:
             # tier-1 hits leave the tier first, so that no claim below can demote them out of it;
             # tier-2 hits were read and verified by the lookup (slot -1: loaded from disk)
             tier_slots = {key: self.host_tier.take(key) if key in self.host_tier else -1
-                          for key in cached or [] if isinstance(key, bytes)} if self.host_tier is not None else {}
+                          for group in hits for key in group if isinstance(key, bytes)} \
+                if self.host_tier is not None else {}
             if tail_cost:
-                tail = self.pool.get_aligned_run(tail_cost, {block.block_id for block in table})
-                if tail is None:
+                runs = self._take_tail_runs({block.block_id for block in pool_hits})
+                if runs is None:
                     for key, slot in tier_slots.items():
                         if slot >= 0:
                             self.host_tier.give_back(key, slot)  # type: ignore[union-attr]
                     return False
-                self.tails[request_id] = tail
-                self.new_tail_slots.append(tail[0].block_id // tail_cost)
-            self.pool.touch(table)
-            if tier_slots:
-                table = self._promote(cached or [], tier_slots)
-                missing = self.blocks_needed(num_tokens) - len(table)
-            self.block_tables[request_id] = table
-            self.num_published[request_id] = len(table)
-        if missing > 0:
-            table.extend(self.pool.get_new_blocks(missing))
-        previous = self.num_tokens.get(request_id, 0)
-        if num_tokens > previous:
-            self.num_tokens[request_id] = num_tokens
-            self._logical_tokens += num_tokens - previous
+                self.tails[request_id] = runs
+            self.pool.touch(pool_hits)
+            tables = self._start_tables(hits, tier_slots)
+            self.block_tables[request_id] = tables
+            self.num_released[request_id] = [sum(1 for b in group if b is None) for group in hits]
+            self.num_tokens[request_id] = 0
+            self.num_published[request_id] = cached.num_blocks if cached is not None else 0
+        assert tables is not None
+        before = 0 if new else self._stored_tokens(request_id)
+        for table in tables:
+            if self.blocks_needed(num_tokens) > len(table):
+                table.extend(self.pool.get_new_blocks(self.blocks_needed(num_tokens) - len(table)))
+        self.num_tokens[request_id] = max(num_tokens, self.num_tokens[request_id])
+        self._logical_tokens += self._stored_tokens(request_id) - before
         if self.enable_prefix_caching and tokens is not None:
             self._publish(request_id, num_tokens, tokens)
         return True
 
+    def _take_tail_runs(self, avoid: set[int], fresh: bool = True) -> list[list[KVCacheBlock]] | None:
+        """One aligned tail run per group (none of them in ``avoid``), or None (nothing taken).
+        ``fresh`` runs are zeroed before use (not those a swap-in restores)."""
+        runs: list[list[KVCacheBlock]] = []
+        for _ in self.groups:
+            run = self.pool.get_aligned_run(self.tail_blocks, avoid)
+            if run is None:
+                for taken in runs:
+                    self.pool.free_blocks(taken)
+                return None
+            runs.append(run)
+        if fresh:
+            self.new_tail_slots += [run[0].block_id // self.tail_blocks for run in runs]
+        return runs
+
     def swap_out(self, request_id: str) -> bool:
-        """Preemption by swapping: copy the request's blocks (and its tail run) to reserved tier-1
-        slots and free them. False if tier 1 cannot take them (the caller recomputes instead;
-        counted in num_swap_fallbacks); nothing changes then."""
-        table = self.block_tables[request_id]
-        tail = self.tails.get(request_id, [])
-        slots = self.host_tier.reserve(len(table) + len(tail)) if self.host_tier is not None else None
+        """Preemption by swapping: copy the request's live blocks (and its tail runs) to reserved
+        tier-1 slots and free them. False if tier 1 cannot take them (the caller recomputes
+        instead; counted in num_swap_fallbacks); nothing changes then."""
+        released = self.num_released[request_id]
+        live = [table[first:] for table, first in zip(self.block_tables[request_id], released, strict=True)]
+        blocks = [block for table in live for block in table] + \
+            [block for run in self.tails.get(request_id, []) for block in run]
+        slots = self.host_tier.reserve(len(blocks)) if self.host_tier is not None else None
         if slots is None:
             self.num_swap_fallbacks += 1
             return False
         assert self.host_tier is not None
-        for block, slot in zip(table + tail, slots, strict=True):
+        for block, slot in zip(blocks, slots, strict=True):
             self.host_tier.save(block.block_id, slot)
-        self.swapped[request_id] = SwappedBlocks(slots, len(table), self.num_tokens[request_id],
-                                                 self.num_published[request_id])
+        self.swapped[request_id] = SwappedBlocks(slots, [len(table) for table in live], list(released),
+                                                 self.num_tokens[request_id], self.num_published[request_id])
         self._release_blocks(request_id)
         self.num_swaps_out += 1
         return True
@@ -206,51 +313,59 @@ class KVCacheManager:
         step's forward pass), leaving ``headroom`` blocks free. False if the pool is short
         (nothing changes then)."""
         state = self.swapped[request_id]
-        tail_cost = self.tail_blocks
-        if state.num_blocks + tail_cost + headroom > self.pool.num_free_blocks:
+        tail_cost = self.tail_blocks * len(self.groups)
+        if sum(state.num_live) + tail_cost + headroom > self.pool.num_free_blocks:
             return False
-        tail: list[KVCacheBlock] = []
+        runs: list[list[KVCacheBlock]] = []
         if tail_cost:
-            run = self.pool.get_aligned_run(tail_cost, set())
-            if run is None:
+            taken = self._take_tail_runs(set(), fresh=False)
+            if taken is None:
                 return False
-            tail = self.tails[request_id] = run
-        table = self.pool.get_new_blocks(state.num_blocks)
+            runs = self.tails[request_id] = taken
+        fresh = self.pool.get_new_blocks(sum(state.num_live))
         assert self.host_tier is not None
-        self.host_tier.restore(state.slots, [block.block_id for block in table + tail])
+        self.host_tier.restore(state.slots, [block.block_id for block in fresh + [b for run in runs for b in run]])
         del self.swapped[request_id]
-        self.block_tables[request_id] = table
+        tables, start = [], 0
+        for live, released in zip(state.num_live, state.num_released, strict=True):
+            tables.append([self.pool.null_block] * released + fresh[start : start + live])
+            start += live
+        self.block_tables[request_id] = tables
+        self.num_released[request_id] = list(state.num_released)
         self.num_tokens[request_id] = state.num_tokens
-        self._logical_tokens += state.num_tokens
+        self._logical_tokens += self._stored_tokens(request_id)
         # its full blocks were published before: these copies are published again where no equal
         # block is cached
-        for block, block_hash in zip(table, self.block_hashes.get(request_id, [])[: state.num_published],
-                                     strict=False):
-            self._cache(block, block_hash)
-        self.num_published[request_id] = state.num_published
+        self.num_published[request_id] = 0
+        self._publish_up_to(request_id, state.num_published)
         self.num_swaps_in += 1
         return True
 
-    def _promote(self, cached: list[CachedBlock], slots: dict[bytes, int]) -> list[KVCacheBlock]:
-        """A new table from a prefix hit that reaches into tier 1: each tier hit (taken out of the
-        tier into ``slots``) gets a fresh block (its pool hits are already referenced), published
-        at once under its key; its bytes are copied back before the step's forward pass."""
-        tier = self.host_tier
-        assert tier is not None
+    def _start_tables(self, hits: list[list[CachedBlock | None]], slots: dict[bytes, int]
+                      ) -> list[list[KVCacheBlock]]:
+        """New tables from a prefix hit (its pool blocks already referenced): entries out of a
+        sliding window are the null block; each lower-tier hit (taken out of tier 1 into
+        ``slots``, or read from tier 2) gets a fresh block, published at once under its key,
+        its bytes copied back before the step's forward pass."""
         fresh = iter(self.pool.get_new_blocks(len(slots)))  # may demote other blocks into the tier
-        table = []
-        for hit in cached:
-            if isinstance(hit, KVCacheBlock):
-                table.append(hit)
-                continue
-            block = next(fresh)
-            if slots[hit] >= 0:
-                tier.promote(slots[hit], block.block_id)
-            else:
-                tier.load(block.block_id, self._disk_loaded.pop(hit))
-            self._cache(block, hit)
-            table.append(block)
-        return table
+        tables: list[list[KVCacheBlock]] = []
+        for group in hits:
+            table = []
+            for hit in group:
+                if hit is None:
+                    table.append(self.pool.null_block)
+                elif isinstance(hit, KVCacheBlock):
+                    table.append(hit)
+                else:
+                    block = next(fresh)
+                    if slots[hit] >= 0:
+                        self.host_tier.promote(slots[hit], block.block_id)  # type: ignore[union-attr]
+                    else:
+                        self.host_tier.load(block.block_id, self._disk_loaded.pop(hit))  # type: ignore[union-attr]
+                    self._cache(block, hit)
+                    table.append(block)
+            tables.append(table)
+        return tables
 
     def _in_lower_tier(self, key: bytes) -> bool:
         """In tier 1, or in tier 2 with its file read and verified (a bad file is a miss)."""
@@ -274,14 +389,19 @@ class KVCacheManager:
         """Offer the blocks that ``num_tokens`` fill to the cache. They are computed in this step,
         before any later step can hit them; a request admitted in this same step that hits one
         reads it after this step's layers wrote it (each layer writes K/V before it attends)."""
-        table, start = self.block_tables[request_id], self.num_published[request_id]
         full = num_tokens // self.block_size
-        if full <= start:
-            return
-        hashes = self._hashes(request_id, tokens, full)
-        for block, block_hash in zip(table[start:full], hashes[start:full], strict=True):
-            self._cache(block, block_hash)
-        self.num_published[request_id] = full
+        if full > self.num_published[request_id]:
+            self._hashes(request_id, tokens, full)
+            self._publish_up_to(request_id, full)
+
+    def _publish_up_to(self, request_id: str, full: int) -> None:
+        """Publish every group's blocks up to ``full`` (their keys already computed)."""
+        start, hashes = self.num_published[request_id], self.block_hashes.get(request_id, [])
+        for group, (table, released) in enumerate(zip(self.block_tables[request_id],
+                                                      self.num_released[request_id], strict=True)):
+            for index in range(max(start, released), full):
+                self._cache(table[index], group_key(hashes[index], group))
+        self.num_published[request_id] = max(start, full)
 
     def _cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Publish a full block under its key (unless an equal block is); tiers stay exclusive,
@@ -299,11 +419,15 @@ class KVCacheManager:
         self._release_blocks(request_id)
 
     def _release_blocks(self, request_id: str) -> None:
-        table = self.block_tables.pop(request_id, [])
-        self._logical_tokens -= self.num_tokens.pop(request_id, 0)
+        self._logical_tokens -= self._stored_tokens(request_id)
+        tables = self.block_tables.pop(request_id, [])
+        released = self.num_released.pop(request_id, [])
+        self.num_tokens.pop(request_id, None)
         self.num_published.pop(request_id, None)
-        self.pool.free_blocks(table[::-1])
-        self.pool.free_blocks(self.tails.pop(request_id, []))
+        for table, first in zip(tables, released, strict=True):
+            self.pool.free_blocks(table[first:][::-1])
+        for run in self.tails.pop(request_id, []):
+            self.pool.free_blocks(run)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's remembered block keys."""
@@ -316,9 +440,9 @@ class KVCacheManager:
             cached_blocks=len(cached), evictable_blocks=sum(1 for b in cached if b.ref_cnt == 0),
             evictions=self.pool.num_evictions)
 
-    def tail_slot(self, request_id: str) -> int:
-        """Index of the request's tail run in the pool viewed as runs of tail_blocks blocks."""
-        return self.tails[request_id][0].block_id // self.tail_blocks
+    def tail_slot(self, request_id: str, group: int = 0) -> int:
+        """Index of the request's tail run for ``group`` in the pool viewed as runs of tail_blocks blocks."""
+        return self.tails[request_id][group][0].block_id // self.tail_blocks
 
     def take_new_tail_slots(self) -> list[int]:
         """Tail slots handed out since the last call (their blocks may hold old codes: zero them)."""
@@ -328,14 +452,20 @@ class KVCacheManager:
     @property
     def table_blocks_used(self) -> int:
         """Blocks held by block tables (tail runs excluded)."""
-        return self.pool.num_used_blocks - len(self.tails) * self.tail_blocks
+        return self.pool.num_used_blocks - len(self.tails) * len(self.groups) * self.tail_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.block_tables[request_id]]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's table in ``group`` (entries out of a sliding window are the null block, 0)."""
+        return [block.block_id for block in self.block_tables[request_id][group]]
 
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Flat cache slot of each token position in [start, end)."""
-        table, size = self.block_tables[request_id], self.block_size
+    def live_blocks(self, request_id: str, group: int = 0) -> tuple[int, list[int]]:
+        """(index of the first entry a query can still read, the ids from there on)."""
+        first = self.num_released[request_id][group]
+        return first, [block.block_id for block in self.block_tables[request_id][group][first:]]
+
+    def slot_mapping(self, request_id: str, start: int, end: int, group: int = 0) -> list[int]:
+        """Flat cache slot of each token position in [start, end) in ``group``'s table."""
+        table, size = self.block_tables[request_id][group], self.block_size
         return [table[pos // size].block_id * size + pos % size for pos in range(start, end)]
 
     @property
@@ -375,11 +505,27 @@ class KVCacheManager:
             peak_num_requests=self._peak_requests,
             utilization_at_peak=self._util_at_peak,
             mean_utilization=self._util_sum / self._util_samples if self._util_samples else 1.0,
-            per_request_blocks={rid: len(t) for rid, t in self.block_tables.items()},
+            per_request_blocks={rid: sum(len(table) - first for table, first in zip(tables, self.num_released[rid],
+                                                                                       strict=True))
+                                for rid, tables in self.block_tables.items()},
             prefix_cache=self.prefix_cache_stats(),
-            tail_slots_used=len(self.tails),
-            tail_blocks_used=len(self.tails) * self.tail_blocks,
+            tail_slots_used=len(self.tails) * len(self.groups),
+            tail_blocks_used=len(self.tails) * len(self.groups) * self.tail_blocks,
             tiers=[tier.stats() for tier in (self.host_tier, self.disk_tier) if tier is not None],
             swaps_out=self.num_swaps_out, swaps_in=self.num_swaps_in, swap_fallbacks=self.num_swap_fallbacks,
             num_swapped=len(self.swapped),
+            groups=self.group_stats(),
         )
+
+    def group_stats(self) -> list[KVGroupStats]:
+        """Per group: the blocks its tables hold (a shared block once) and the tokens they store."""
+        out = []
+        for group, spec in enumerate(self.groups):
+            held: set[int] = set()
+            tokens = 0
+            for rid, tables in self.block_tables.items():
+                first = self.num_released[rid][group]
+                held.update(block.block_id for block in tables[group][first:])
+                tokens += self.num_tokens[rid] - first * self.block_size
+            out.append(KVGroupStats(spec.kind, spec.sliding_window, len(held), tokens))
+        return out

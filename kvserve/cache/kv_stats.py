@@ -31,12 +31,24 @@ class PrefixCacheStats:
 
 
 @dataclass(slots=True)
+class KVGroupStats:
+    """One KV cache group (kv_groups): its kind, and what its block tables hold now."""
+
+    kind: str  # full_attention or sliding_window
+    sliding_window: int
+    blocks_used: int  # blocks in its tables (a shared prefix block once; tails excluded)
+    logical_tokens: int  # tokens its tables store (released sliding entries excluded)
+
+
+@dataclass(slots=True)
 class KVCacheStats:
     """A snapshot of the pool. Token figures count slots, not bytes.
 
     Physical figures count each block once: ``live_tokens`` are the slots holding a token, so
     ``utilization`` <= 1 and ``tail_waste`` >= 0 always. Logical figures count what requests
-    see: a prefix block shared by k requests is k blocks' worth of ``logical_tokens``."""
+    see: a prefix block shared by k requests is k blocks' worth of ``logical_tokens``. With several
+    KV cache groups (kv_groups) token figures add up over the groups: a token fills a slot in
+    each group that still holds it."""
 
     block_size: int
     num_blocks: int  # usable blocks (the null block excluded)
@@ -64,6 +76,7 @@ class KVCacheStats:
     swaps_in: int = 0
     swap_fallbacks: int = 0  # swap preemptions that recomputed instead: tier 1 was full
     num_swapped: int = 0  # requests whose blocks wait in tier 1 now
+    groups: list[KVGroupStats] = field(default_factory=list)  # per KV cache group (one for plain models)
 
     @property
     def usage(self) -> float:

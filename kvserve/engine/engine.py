@@ -22,6 +22,7 @@ from kvserve.cache.kv_format import (
     num_blocks_for_budget,
     tail_blocks,
 )
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheGroup, KVCacheSpec, group_layers, layer_groups, layer_slots
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.cache.kv_scales import KVScales, model_fingerprint
 from kvserve.cache.kv_stats import KVCacheStats
@@ -60,9 +61,18 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     del weights
     module = module.to(device=device, dtype=dtype).eval()
     module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
+    module.local_rope_cos, module.local_rope_sin = module.local_rope_cos.float(), module.local_rope_sin.float()
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     pack_linears_for_cpu(module)
     return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint)
+
+
+def kv_cache_groups(config: ModelConfig, all_full: bool = False) -> list[KVCacheGroup]:
+    """The model's KV cache groups (kv_groups): by each layer's window, or with ``all_full``
+    one group of every layer, each keeping every block."""
+    if all_full or not config.layer_windows:
+        return [KVCacheGroup(FULL_ATTENTION, tuple(range(config.num_layers)))]
+    return group_layers([KVCacheSpec(window) for window in config.layer_windows])
 
 
 class InvalidRequestError(ValueError):
@@ -111,7 +121,9 @@ class LLMEngine:
         layout = KVLayout.standard(model_config.num_kv_heads, model_config.head_dim)
         model_kind = float_kind(self.dtype)
         key_scales = self.kv_quant.key_scale_mode
-        kinds = [self.kv_quant.layer_kind(i, model_kind) for i in range(model_config.num_layers)]
+        self.kv_groups = kv_cache_groups(model_config, config.disable_hybrid_kv_cache_manager)
+        slots = layer_slots(self.kv_groups, model_config.num_layers)
+        kinds = self._slot_kinds(slots, model_kind)
         self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, config.block_size, key_scales) for kind in kinds)
         self.kv_bytes_per_token = self.kv_block_bytes // config.block_size
         # formats that keep a full-precision tail block per running sequence take it from the pool:
@@ -121,23 +133,27 @@ class LLMEngine:
         self.num_blocks = self._size_pool()
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, self.dtype, self.device, self.kv_quant)
+            model_config.head_dim, self.dtype, self.device, self.kv_quant, slots)
         self._clip_warned = False
         host_tier = self._host_tier()
         disk_tier = self._disk_tier()
         if host_tier is not None:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors())
+                                         self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
+                                         [group.spec for group in self.kv_groups], config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
+                                  layer_groups(self.kv_groups, model_config.num_layers), model_config.layer_windows)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # requests preempted (recomputed or swapped out) since start-up
         self._arrivals = itertools.count()
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if model_config.is_gemma and self.tokenizer is not None:  # a chat turn ends with <end_of_turn>
+            self.eos_token_ids.add(self.tokenizer.convert_tokens_to_ids("<end_of_turn>"))
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
 
     # ------------------------------------------------------------------ start-up sizing
@@ -148,6 +164,17 @@ class LLMEngine:
             raise ConfigError(
                 f"max_model_len={self.config.max_model_len} exceeds the model's context length {limit}")
         return self.config.max_model_len or limit
+
+    def _slot_kinds(self, slots: list[int], model_kind: str) -> list[str]:
+        """The KV format of each storage slot; the layers sharing a slot (kv_groups) need one."""
+        kinds: dict[int, str] = {}
+        for layer, slot in enumerate(slots):
+            kind = self.kv_quant.layer_kind(layer, model_kind)
+            if kinds.setdefault(slot, kind) != kind:
+                raise ConfigError(f"kv_cache_dtype_skip_layers: layer {layer} shares KV storage with layers of "
+                                  f"another KV cache group; skip whole slots (layers at one position of every "
+                                  f"group) or pass disable_hybrid_kv_cache_manager")
+        return [kinds[slot] for slot in sorted(kinds)]
 
     def _kv_quant_spec(self) -> KVQuantSpec:
         """The KV format from kv_cache_dtype, kv_scales and kv_cache_dtype_skip_layers."""

@@ -28,39 +28,59 @@ from kvserve.model.llama import LlamaForCausalLM
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, kv_manager: KVCacheManager,
-                 device: torch.device) -> None:
+                 device: torch.device, layer_groups: list[int] | None = None,
+                 layer_windows: list[int] | None = None) -> None:
+        """``layer_groups[i]``: the KV cache group (kv_groups) of layer i (one group by default);
+        ``layer_windows[i]``: its sliding window (0: full attention), which its group's spec
+        equals unless every layer shares one full-attention group (then only masks apply it)."""
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv_manager
         self.device = device
         self.block_size = kv_manager.block_size
         self.dtype = kv_cache.model_dtype
+        self.layer_groups = layer_groups or [0] * model.config.num_layers
+        self.layer_windows = layer_windows or [0] * model.config.num_layers
         self.decode_kernel = use_decode_kernel(device)
         self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype)
         # sees every layer's new K (after rotary) and V before they are cached (calibration)
         self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
 
-    def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
-        """One attention call for chunks of equal query length."""
+    def _group(self, chunks: list[ScheduledChunk], token_start: int, kv_group: int, window: int) -> AttentionGroup:
+        """One attention call for chunks of equal query length, over ``kv_group``'s tables, for
+        layers with this sliding ``window`` (0: none). Tables are read from their first live
+        block on, and keys out of the window are masked (the kernels take no window: such calls
+        use the torch path)."""
         query_len = chunks[0].num_tokens
         seq_lens = [c.request.num_computed_tokens + c.num_tokens for c in chunks]
-        tables = [self.kv.block_ids(c.request.request_id) for c in chunks]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        windowed = bool(window) and max(seq_lens) > window
+        live = [self.kv.live_blocks(c.request.request_id, kv_group) for c in chunks]
+        if not windowed:  # every key is in every query's window: plain causal attention
+            live = [(0, self.kv.block_ids(c.request.request_id, kv_group)) for c in chunks]
+        width = max(len(ids) for _, ids in live)
+        block_tables = torch.tensor([ids + [0] * (width - len(ids)) for _, ids in live], device=self.device)
         lens = torch.tensor(seq_lens, device=self.device)
-        fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks)
+        fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks) and not windowed
         tail_slots = None
         if self.kv_cache.uses_tail:
-            tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id) for c in chunks], device=self.device)
-        if self.decode_kernel if query_len == 1 else self.prefill_kernel:
+            tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
+                                      device=self.device)
+        if not windowed and (self.decode_kernel if query_len == 1 else self.prefill_kernel):
             return AttentionGroup(token_start, len(chunks), query_len, block_tables, True, None, lens, fresh, None,
                                   tail_slots)
         kv_len = width * self.block_size
-        # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it.
-        key_pos = torch.arange(kv_len, device=self.device)
+        # Query i of a chunk sits at position (seq_len - query_len + i) and sees keys <= it (and,
+        # in a window, keys > it - window); the table starts at block ``first`` of the sequence.
+        first = torch.tensor([first for first, _ in live], device=self.device)
+        key_pos = (first[:, None] * self.block_size + torch.arange(kv_len, device=self.device)[None, :])[:, None, :]
         query_pos = lens[:, None] - query_len + torch.arange(query_len, device=self.device)[None, :]
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
+        mask = key_pos <= query_pos[:, :, None]
+        if windowed:
+            mask &= key_pos > query_pos[:, :, None] - window
+        mask = mask.unsqueeze(1)
+        if windowed:  # gather finds a sequence's tail block by its length, counted from the table's start
+            lens = lens - first * self.block_size
         bias = None
         if query_len == 1:
             # measured on CPU: batched matmuls win for decode, SDPA's flash kernel for prefill
@@ -69,7 +89,7 @@ class ModelRunner:
         return AttentionGroup(token_start, len(chunks), query_len, block_tables, False, mask, lens, fresh, bias,
                               tail_slots)
 
-    def _tail_plan(self, chunks: list[ScheduledChunk]) -> TailPlan:
+    def _tail_plan(self, chunks: list[ScheduledChunk], kv_group: int) -> TailPlan:
         """Moves for pools with tail slots (see TailPlan): a block is quantized in the step that
         fills it; tokens of a sequence's partial last block live in its tail slot until then."""
         bs = self.block_size
@@ -78,8 +98,8 @@ class ModelRunner:
         for chunk in chunks:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
-            slot = self.kv.tail_slot(request.request_id)
-            table = self.kv.block_ids(request.request_id)
+            slot = self.kv.tail_slot(request.request_id, kv_group)
+            table = self.kv.block_ids(request.request_id, kv_group)
             first_new = start // bs
             if start % bs:  # continue the partial block held in the tail slot
                 stop = min(end, (first_new + 1) * bs)
@@ -137,32 +157,45 @@ class ModelRunner:
         ordered = [c for n in sorted(by_len) for c in by_len[n]]
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         for chunk in ordered:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
             input_ids += request.token_ids(start, end)
             positions += range(start, end)
-            slots += self.kv.slot_mapping(request.request_id, start, end)
-        groups: list[AttentionGroup] = []
-        offset = 0
-        for n in sorted(by_len):
-            groups.append(self._group(by_len[n], offset))
-            offset += n * len(by_len[n])
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
         self.kv_cache.zero_tail_slots(self.kv.take_new_tail_slots())
+        writes = [self._write_index(ordered, group) for group in range(len(self.kv.groups))]
+        metas: dict[tuple[int, int], AttentionMetadata] = {}
+        for group, window in zip(self.layer_groups, self.layer_windows, strict=True):
+            if (group, window) not in metas:
+                slot_mapping, write = writes[group]
+                groups: list[AttentionGroup] = []
+                offset = 0
+                for n in sorted(by_len):
+                    groups.append(self._group(by_len[n], offset, group, window))
+                    offset += n * len(by_len[n])
+                metas[group, window] = AttentionMetadata(slot_mapping, write, groups,
+                                                         fused_rope_write=self.decode_kernel,
+                                                         kv_observer=self.kv_observer)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_cache.layers,
+            [metas[key] for key in zip(self.layer_groups, self.layer_windows, strict=True)],
+        )
+        return ordered, hidden
+
+    def _write_index(self, ordered: list[ScheduledChunk], kv_group: int) -> tuple[torch.Tensor, KVWriteIndex]:
+        """(slot mapping, write index): where this step's tokens go in one KV cache group's
+        tables (shared by the group's layers)."""
+        slots: list[int] = []
+        for chunk in ordered:
+            start = chunk.request.num_computed_tokens
+            slots += self.kv.slot_mapping(chunk.request.request_id, start, start + chunk.num_tokens, kv_group)
         slot_mapping = torch.tensor(slots, device=self.device)
         kv_heads = self.model.config.num_kv_heads
         write = KVWriteIndex(
             kv_write_rows(slot_mapping, self.block_size, 2 * kv_heads),
             kv_write_rows(slot_mapping, self.block_size, kv_heads) if self.kv_cache.uses_value_scales else None,
-            self._tail_plan(ordered) if self.kv_cache.uses_tail else None)
-        meta = AttentionMetadata(slot_mapping, write, groups, fused_rope_write=self.decode_kernel,
-                                 kv_observer=self.kv_observer)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_cache.layers,
-            meta,
-        )
-        return ordered, hidden
+            self._tail_plan(ordered, kv_group) if self.kv_cache.uses_tail else None)
+        return slot_mapping, write

@@ -134,7 +134,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
-            computed = len(cached) * self.kv.block_size
+            computed = cached.num_blocks * self.kv.block_size
             n = min(request.num_tokens - computed, budget)
             if not self.kv.allocate_slots(request.request_id, computed + n, request.token_ids, cached):
                 break
@@ -157,7 +157,7 @@ class Scheduler:
         passed over max_skips times go first of all, in arrival order."""
         def cached_tokens(request: Request) -> int:
             hits = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
-            return len(hits) * self.kv.block_size
+            return hits.num_blocks * self.kv.block_size
 
         starving = sorted((r for r in self.waiting if r.num_skips >= self.max_skips), key=lambda r: r.arrival_seq)
         rest = sorted((r for r in self.waiting if r.num_skips < self.max_skips), key=cached_tokens, reverse=True)

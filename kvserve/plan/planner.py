@@ -14,6 +14,7 @@ from kvserve.cache.kv_format import (
     normalize_kv_dtype,
     num_blocks_for_budget,
 )
+from kvserve.cache.kv_groups import group_layers, group_size, sliding_specs
 from kvserve.config import ConfigError, parse_size
 from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.plan.spec import ModelSpec, SpecError
@@ -87,20 +88,22 @@ class _Sizer:
         self.spec, self.block_size = spec, block_size
         full = normalize_kv_dtype("auto", spec.dtype)
         self.layer_block = kv_block_bytes(spec.kv_layout, 1, kv_dtype, block_size, key_scales)
-        self.extra = kv_sequence_extra_bytes(spec.kv_layout, spec.num_layers, kv_dtype, block_size, full,
-                                            key_scales)
+        # the engine's KV cache groups (kv_groups): a pool block holds one group's layers
+        self.groups = group_layers(sliding_specs(spec.num_layers, spec.num_sliding_layers, spec.sliding_window))
+        self.pool_block = group_size(self.groups) * self.layer_block
+        self.extra = len(self.groups) * kv_sequence_extra_bytes(spec.kv_layout, group_size(self.groups), kv_dtype,
+                                                                block_size, full, key_scales)
         self.per_token = spec.num_layers * self.layer_block / block_size
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def sequence_bytes(self, context: int) -> int:
-        """One sequence at ``context`` tokens: whole blocks in every layer, sliding layers capped
-        at their window (rounded up to whole blocks), plus per-sequence extras."""
-        spec = self.spec
-        full_layers = spec.num_layers - spec.num_sliding_layers
-        sliding = self.blocks(min(context, spec.sliding_window)) if spec.num_sliding_layers else 0
-        return (full_layers * self.blocks(context) + spec.num_sliding_layers * sliding) * self.layer_block + self.extra
+        """One sequence at ``context`` tokens, as the engine allocates it while decoding: whole
+        blocks in every full-attention group, in each sliding-window group the blocks its window
+        spans (at most cdiv(window - 1, block_size) + 1), plus per-sequence extras."""
+        blocks = sum(group.spec.blocks_held(context, self.block_size) for group in self.groups)
+        return blocks * self.pool_block + self.extra
 
     def max_concurrency(self, available: int, context: int) -> int:
         return max(0, available // self.sequence_bytes(context)) if available > 0 else 0
@@ -121,7 +124,7 @@ class _Sizer:
     def tail_waste(self, context: int, concurrency: int, distribution: str) -> int:
         """Allocated-but-unused slots: exact for fixed-length sequences; for lengths uniform in
         1..context, the expected (block_size - 1) / 2 tokens per sequence."""
-        full_layers = self.spec.num_layers - self.spec.num_sliding_layers
+        full_layers = sum(len(g.layers) for g in self.groups if not g.spec.sliding_window)
         per_seq: float = self.blocks(context) * self.block_size - context
         if distribution == "uniform":
             per_seq = (self.block_size - 1) / 2

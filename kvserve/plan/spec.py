@@ -132,13 +132,16 @@ class ModelSpec:
             config = load_model_config(resolved)
         except ModelLoadError as exc:
             raise SpecError(str(exc)) from exc
-        cfg = {
+        cfg: dict[str, Any] = {
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
             "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
             "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
             "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_word_embeddings,
             "max_position_embeddings": config.max_position_embeddings,
         }
+        if any(config.layer_windows):
+            cfg["sliding_window"] = max(config.layer_windows)
+            cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in config.layer_windows]
         return cls.from_hf_config(cfg, name=model)
 
 

@@ -258,7 +258,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                                  add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # the template's own complaint (jinja2 raises its own types)
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
-        return _encode(text)  # as LLM.chat does, so both give the same tokens
+        return _encode(text, add_special_tokens=False)  # as LLM.chat does: the template has its own BOS
 
     async def _serve(body: CompletionRequest | ChatCompletionRequest, token_ids: list[int], params: SamplingParams,
                      chat: bool) -> Response:
