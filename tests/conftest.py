@@ -27,6 +27,12 @@ def smollm() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def gemma() -> LoadedModel:
+    """Gemma 3 270M (the optional extra kvserve[gemma], which make test installs)."""
+    return load_model("gemma-3-270m", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
 def hf_smollm(smollm: LoadedModel) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -40,6 +46,10 @@ TINY = {
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32),
+    # Gemma 3's shape in small: one KV head of dim 256, a 2:1 sliding:full pattern, window 8
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=256, query_pre_attn_scalar=256, num_hidden_layers=6, sliding_window=8,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
 }
 
 
@@ -50,6 +60,7 @@ def make_tiny_model(root: Path, arch: str, **overrides: Any) -> Path:
     config_cls = {
         "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[arch]
     kwargs: dict[str, Any] = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512,
                                   tie_word_embeddings=arch != "llama", rms_norm_eps=1e-5)

@@ -98,10 +98,12 @@ def test_metrics_move(server: dict[str, Any]) -> None:
     prompt = "A long shared instruction about careful answers. " * 12
     hits_before = metric(base, "kvserve:prefix_cache_hits_total")
     seen_usage = []
+    seen_group_blocks = []
 
     def watch() -> None:
         for _ in range(100):
             seen_usage.append(metric(base, "kvserve:kv_cache_usage_perc"))
+            seen_group_blocks.append(metric(base, "kvserve:kv_group_blocks_used"))  # one group: every layer
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
@@ -110,7 +112,7 @@ def test_metrics_move(server: dict[str, Any]) -> None:
         client.completions.create(model=MODEL, prompt=prompt + "Go.", max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
     watcher.join()
-    assert max(seen_usage) > 0
+    assert max(seen_usage) > 0 and max(seen_group_blocks) > 0
     assert metric(base, "kvserve:prefix_cache_hits_total") > hits_before
     assert metric(base, "kvserve:request_generation_tokens_count") >= 2
     assert metric(base, "process_resident_memory_bytes") > 0
@@ -133,6 +135,7 @@ def test_client_disconnect_frees_blocks(server: dict[str, Any]) -> None:
             break
         time.sleep(0.05)
     assert kv["blocks_used"] == 0 and kv["num_requests"] == 0
+    assert kv["groups"] == [{"kind": "full_attention", "sliding_window": 0, "blocks_used": 0, "logical_tokens": 0}]
     assert kv["blocks_evictable"] == kv["blocks_cached"]  # nothing runs: every cached block is idle
 
 

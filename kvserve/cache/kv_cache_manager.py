@@ -14,7 +14,7 @@ import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.kv_disk import DiskTier
-from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, capacity_tokens
 from kvserve.cache.kv_stats import KVCacheStats, KVGroupStats, PrefixCacheStats
 from kvserve.cache.kv_tiers import TierIndex, TierMoves
 
@@ -110,25 +110,13 @@ class KVCacheManager:
         self._util_sum = 0.0
         self._util_samples = 0
 
-    def sequence_blocks(self, num_tokens: int) -> int:
-        """Pool blocks one sequence of ``num_tokens`` tokens holds at its peak: every group's
-        share (kv_groups.KVCacheSpec.blocks_held) and its tail runs."""
-        return sum(spec.blocks_held(num_tokens, self.block_size, self.max_chunk_tokens) for spec in self.groups) \
-            + len(self.groups) * self.tail_blocks
-
     @property
     def capacity_tokens(self) -> int:
         """Tokens one sequence can hold in an otherwise empty pool (its tail runs included)."""
         if self.tail_blocks and self.pool.num_blocks < (len(self.groups) + 1) * self.tail_blocks:
             return 0  # no aligned runs besides the null block's
-        usable = self.pool.num_usable_blocks
-        if all(spec.sliding_window for spec in self.groups):  # memory stops growing past the window
-            return 1 << 30 if self.sequence_blocks(1 << 30) <= usable else 0
-        low, high = 0, usable * self.block_size
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.sequence_blocks(mid) <= usable else (low, mid - 1)
-        return low
+        return capacity_tokens(self.groups, self.pool.num_usable_blocks, self.block_size, self.max_chunk_tokens,
+                               self.tail_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

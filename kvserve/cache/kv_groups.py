@@ -60,6 +60,29 @@ class KVCacheSpec:
 FULL_ATTENTION = KVCacheSpec()
 
 
+def sequence_blocks(specs: Sequence[KVCacheSpec], num_tokens: int, block_size: int, chunk: int = 1,
+                    tail_blocks: int = 0) -> int:
+    """Pool blocks one sequence of ``num_tokens`` tokens holds at its peak: every group's share
+    (KVCacheSpec.blocks_held) and one tail run of ``tail_blocks`` per group."""
+    return sum(spec.blocks_held(num_tokens, block_size, chunk) for spec in specs) + len(specs) * tail_blocks
+
+
+def capacity_tokens(specs: Sequence[KVCacheSpec], usable_blocks: int, block_size: int, chunk: int = 1,
+                    tail_blocks: int = 0) -> int:
+    """The longest sequence ``usable_blocks`` pool blocks hold on their own (1 << 30 when only
+    sliding groups, whose memory stops growing, fit at all)."""
+    def fits(tokens: int) -> bool:
+        return sequence_blocks(specs, tokens, block_size, chunk, tail_blocks) <= usable_blocks
+
+    if all(spec.sliding_window for spec in specs):
+        return 1 << 30 if fits(1 << 30) else 0
+    low, high = 0, usable_blocks * block_size
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 class KVCacheGroup(NamedTuple):
     spec: KVCacheSpec
     layers: tuple[int, ...]  # model layer ids; layer ``layers[j]`` uses storage slot j

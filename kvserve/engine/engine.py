@@ -22,7 +22,15 @@ from kvserve.cache.kv_format import (
     num_blocks_for_budget,
     tail_blocks,
 )
-from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheGroup, KVCacheSpec, group_layers, layer_groups, layer_slots
+from kvserve.cache.kv_groups import (
+    FULL_ATTENTION,
+    KVCacheGroup,
+    KVCacheSpec,
+    capacity_tokens,
+    group_layers,
+    layer_groups,
+    layer_slots,
+)
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.cache.kv_scales import KVScales, model_fingerprint
 from kvserve.cache.kv_stats import KVCacheStats
@@ -125,7 +133,8 @@ class LLMEngine:
         slots = layer_slots(self.kv_groups, model_config.num_layers)
         kinds = self._slot_kinds(slots, model_kind)
         self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, config.block_size, key_scales) for kind in kinds)
-        self.kv_bytes_per_token = self.kv_block_bytes // config.block_size
+        # a token in every group: each pool block holds one group's layers
+        self.kv_bytes_per_token = self.kv_block_bytes * len(self.kv_groups) // config.block_size
         # formats that keep a full-precision tail block per running sequence take it from the pool:
         # an aligned run of tail_blocks blocks (the planner counts the same, kv_sequence_extra_bytes)
         self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
@@ -225,13 +234,14 @@ class LLMEngine:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
         num_blocks = num_blocks_for_budget(budget, block_bytes)
         # the null block and one block of tokens, or with tails a run aligned past the null block's
-        needed = 2 * self.tail_blocks or 2
+        needed = (len(self.kv_groups) + 1) * self.tail_blocks or 2
         if num_blocks < needed:
             raise ConfigError(
                 f"{source} is smaller than one KV block of {cfg.block_size} tokens "
                 f"({format_bytes(needed * block_bytes)} needed with the reserved null block"
                 f"{' and a full-precision tail block' if self.tail_blocks else ''})")
-        capacity = (num_blocks - 1 - self.tail_blocks) * cfg.block_size
+        capacity = capacity_tokens([g.spec for g in self.kv_groups], num_blocks - 1, cfg.block_size,
+                                   cfg.max_num_batched_tokens, self.tail_blocks)
         if capacity < self.max_model_len:
             if cfg.max_model_len is not None:
                 raise ConfigError(

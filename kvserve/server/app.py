@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -190,7 +190,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "prefix_cache_queries": s.prefix_cache.queries, "prefix_cache_hits": s.prefix_cache.hits,
                 "tiers": [t._asdict() for t in s.tiers], "swaps_out": s.swaps_out, "swaps_in": s.swaps_in,
                 "swap_fallbacks": s.swap_fallbacks, "num_swapped": s.num_swapped,
-                "per_request_blocks": s.per_request_blocks}
+                "groups": [asdict(g) for g in s.groups], "per_request_blocks": s.per_request_blocks}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvserve.cache.kv_stats import KVGroupStats
 from kvserve.cache.kv_tiers import TierStats
 from kvserve.engine.engine import RequestOutput
 
@@ -66,6 +67,18 @@ class _PoolCollector:
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)
         yield from _tier_metrics(stats.tiers)
+        yield from _group_metrics(stats.groups)
+
+
+def _group_metrics(groups: list[KVGroupStats]) -> Iterator[Metric]:
+    """Per KV cache group (label ``group``: its index, ``kind``: full_attention or sliding_window)."""
+    for name, doc, field in (("kv_group_blocks_used", "Pool blocks a KV cache group's tables hold", "blocks_used"),
+                             ("kv_group_tokens", "Tokens a KV cache group's tables store (sliding groups drop "
+                              "those out of their window)", "logical_tokens")):
+        gauge = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["group", "kind"])
+        for index, group in enumerate(groups):
+            gauge.add_metric([str(index), group.kind], getattr(group, field))
+        yield gauge
 
 
 def _tier_metrics(tiers: list[TierStats]) -> Iterator[Metric]:
