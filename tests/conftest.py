@@ -50,6 +50,15 @@ TINY = {
     "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
                         head_dim=256, query_pre_attn_scalar=256, num_hidden_layers=6, sliding_window=8,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+    # MLA (latent 32 + rope 16), MoE with 4 routed experts (2 per token) and a shared one, layer 0 dense
+    "deepseek_v2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                        kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=1, num_hidden_layers=3),
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=1, num_hidden_layers=3, n_group=2, topk_group=1),
 }
 
 
@@ -61,6 +70,7 @@ def make_tiny_model(root: Path, arch: str, **overrides: Any) -> Path:
         "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
     }[arch]
     kwargs: dict[str, Any] = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512,
                                   tie_word_embeddings=arch != "llama", rms_norm_eps=1e-5)
@@ -73,8 +83,11 @@ def make_tiny_model(root: Path, arch: str, **overrides: Any) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init give peaked, tie-free logits
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.3)
+        for name, buffer in model.named_buffers():  # V3's router correction bias: not all zeros
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
     path = root / arch
     model.save_pretrained(str(path), safe_serialization=True)
     return path

@@ -278,6 +278,28 @@ class FloatKV(LayerKV):
         return out.view(*block_tables.shape, *out.shape[1:])
 
 
+class LatentKV(FloatKV):
+    """MLA's cache (model/deepseek.py): one vector per token, the latent and the rotary key,
+    shared by every head: [num_blocks, 1, block_size, latent_dim], in a float dtype. Quantized
+    latents are not supported yet (the engine refuses them by name)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
+                 ) -> LayerKV:
+        if kind not in FLOAT_KINDS:
+            raise ValueError(f"KV cache dtype {kind} is not supported for MLA's latent cache (use a float dtype)")
+        data = torch.empty((shape.num_blocks, 1, shape.block_size, shape.head_dim), dtype=FLOAT_KINDS[kind],
+                           device=shape.device)
+        return cls(kind, data, None, None, 1.0, None, clipped)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor | None, index: KVWriteIndex) -> None:
+        """key: [T, 1, latent_dim], this step's vectors (no separate value)."""
+        rows = key.to(self.data.dtype).reshape(-1, self.data.shape[-1])
+        self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, rows)
+
+
 @register(*((kind, mode) for kind in FP8_TYPES for mode in KEY_SCALE_MODES))
 class Fp8KV(LayerKV):
     """fp8: static per-layer K and V scales; keys stored Hadamard-rotated (the query is rotated alike)."""
@@ -479,7 +501,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, quant: KVQuantSpec | None = None,
-                 layer_slots: list[int] | None = None) -> None:
+                 layer_slots: list[int] | None = None, latent_dim: int = 0) -> None:
+        """``latent_dim``: MLA, one vector of this size per token (LatentKV) instead of K and V heads."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_dtype = dtype
@@ -487,13 +510,15 @@ class PagedKVCache:
         quant = quant or KVQuantSpec(model_kind)
         # one clip counter for every layer (each adds to it in place): reading it is one sync
         self.clipped = torch.zeros((), dtype=torch.long, device=device)
-        shape = PoolShape(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        shape = PoolShape(num_blocks, block_size, num_kv_heads, latent_dim or head_dim, dtype, device)
+        # rows one token takes in a block: its K then V heads, or MLA's one latent vector
+        self.rows_per_token = 1 if latent_dim else 2 * num_kv_heads
         slots = layer_slots or list(range(num_layers))
         self.layers: list[LayerKV] = []
         owners: dict[int, LayerKV] = {}
         for layer, slot in enumerate(slots):
             kind = quant.layer_kind(layer, model_kind)
-            cls = format_class(kind, quant.key_scale_mode)
+            cls = LatentKV if latent_dim else format_class(kind, quant.key_scale_mode)
             if slot not in owners:
                 owners[slot] = cls.allocate(kind, shape, quant, layer, self.clipped)
                 self.layers.append(owners[slot])

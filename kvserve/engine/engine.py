@@ -41,6 +41,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
+from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 
@@ -64,12 +65,13 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     path = resolve_model_path(model)
     model_config, weights = load_checkpoint(path)
     fingerprint = model_fingerprint(asdict(model_config), weights)
-    module = LlamaForCausalLM(model_config, model_config.max_position_embeddings)
+    model_class = DeepseekForCausalLM if model_config.mla is not None else LlamaForCausalLM
+    module = model_class(model_config, model_config.max_position_embeddings)
     module.load_weights(weights)
     del weights
     module = module.to(device=device, dtype=dtype).eval()
-    module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
-    module.local_rope_cos, module.local_rope_sin = module.local_rope_cos.float(), module.local_rope_sin.float()
+    for name in ("rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):  # rotary tables stay float32
+        setattr(module, name, getattr(module, name).float())
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     pack_linears_for_cpu(module)
     return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint)
@@ -126,7 +128,9 @@ class LLMEngine:
         self.kv_quant = self._kv_quant_spec()
         self.kv_cache_dtype = self.kv_quant.kv_dtype
         # the same formulas the planner uses (kvserve.cache.kv_format), so the two agree
-        layout = KVLayout.standard(model_config.num_kv_heads, model_config.head_dim)
+        mla = model_config.mla
+        layout = (KVLayout.mla(mla.kv_lora_rank, mla.qk_rope_head_dim) if mla is not None
+                  else KVLayout.standard(model_config.num_kv_heads, model_config.head_dim))
         model_kind = float_kind(self.dtype)
         key_scales = self.kv_quant.key_scale_mode
         self.kv_groups = kv_cache_groups(model_config, config.disable_hybrid_kv_cache_manager)
@@ -142,7 +146,8 @@ class LLMEngine:
         self.num_blocks = self._size_pool()
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, self.dtype, self.device, self.kv_quant, slots)
+            model_config.head_dim, self.dtype, self.device, self.kv_quant, slots,
+            mla.latent_dim if mla is not None else 0)
         self._clip_warned = False
         host_tier = self._host_tier()
         disk_tier = self._disk_tier()
@@ -198,6 +203,9 @@ class LLMEngine:
             scales = KVScales.load(cfg.kv_scales)
             scales.check_model(cfg.model, self.fingerprint, (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim))
         mode = cfg.kv_key_scales if cfg.kv_key_scales != "auto" else "static" if scales is not None else "block"
+        if mcfg.mla is not None and kv_dtype not in ("fp32", "fp16", "bf16"):
+            raise ConfigError(f"kv_cache_dtype={cfg.kv_cache_dtype}: MLA's latent KV cache is kept in a float dtype "
+                              f"(fp32, fp16, bf16); quantized latents are not supported yet")
         if kv_dtype == "int4" and cfg.kv_key_scales in ("static", "global"):
             raise ConfigError(f"kv_key_scales={cfg.kv_key_scales} does not apply to int4: its key ranges are "
                               f"always computed per block")

@@ -41,8 +41,10 @@ class ModelRunner:
         self.dtype = kv_cache.model_dtype
         self.layer_groups = layer_groups or [0] * model.config.num_layers
         self.layer_windows = layer_windows or [0] * model.config.num_layers
-        self.decode_kernel = use_decode_kernel(device)
-        self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype)
+        # MLA's latent pool is read by paged_latent_attention with masks, never by the kernels
+        self.latent = model.config.mla is not None
+        self.decode_kernel = use_decode_kernel(device) and not self.latent
+        self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype) and not self.latent
         # sees every layer's new K (after rotary) and V before they are cached (calibration)
         self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
@@ -82,7 +84,7 @@ class ModelRunner:
         if windowed:  # gather finds a sequence's tail block by its length, counted from the table's start
             lens = lens - first * self.block_size
         bias = None
-        if query_len == 1:
+        if query_len == 1 and not self.latent:
             # measured on CPU: batched matmuls win for decode, SDPA's flash kernel for prefill
             cfg = self.model.config
             bias = attention_bias(mask, cfg.num_heads, cfg.num_kv_heads, self.dtype)
@@ -195,7 +197,7 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, device=self.device)
         kv_heads = self.model.config.num_kv_heads
         write = KVWriteIndex(
-            kv_write_rows(slot_mapping, self.block_size, 2 * kv_heads),
+            kv_write_rows(slot_mapping, self.block_size, self.kv_cache.rows_per_token),
             kv_write_rows(slot_mapping, self.block_size, kv_heads) if self.kv_cache.uses_value_scales else None,
             self._tail_plan(ordered, kv_group) if self.kv_cache.uses_tail else None)
         return slot_mapping, write

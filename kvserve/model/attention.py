@@ -183,3 +183,31 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
             o = _attend_kv_major(q, k, v, group.bias, scale)
         out[group.token_start : end] = o.reshape(-1, num_heads, head_dim)
     return out
+
+
+def paged_latent_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                           value_dim: int,
+                           expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                           ) -> torch.Tensor:
+    """MLA (model/deepseek.py) over a latent pool [num_blocks, 1, block_size, latent_dim], this
+    step's vectors already written. Without ``expand``, every head attends over the cached
+    vectors as they are (query [T, H, latent_dim], absorbed): keys are the whole vectors,
+    values their first ``value_dim`` channels. With ``expand``, the cached vectors are first
+    up-projected to per-head keys and values (query [T, H, key dim]). Masks come from the
+    runner (no kernel reads a latent pool). Returns [T, H, value_dim]."""
+    latent_dim = layer.data.shape[-1]
+    num_heads = query.shape[1]
+    out = query.new_empty(query.shape[0], num_heads, value_dim)
+    for group in meta.groups:
+        assert group.mask is not None, "latent attention needs the runner's masks"
+        end = group.token_start + group.batch * group.query_len
+        q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, -1).transpose(1, 2)
+        cached = layer.data.index_select(0, group.block_tables.view(-1)).view(group.batch, -1, latent_dim)
+        if expand is None:
+            keys, values = cached.unsqueeze(1), cached[..., :value_dim].unsqueeze(1)  # one head for all
+        else:
+            keys, values = expand(cached)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).masked_fill_(~group.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        out[group.token_start : end] = torch.matmul(probs, values).transpose(1, 2).reshape(-1, num_heads, value_dim)
+    return out

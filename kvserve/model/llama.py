@@ -25,7 +25,7 @@ from kvserve.model.loader import ModelConfig, ModelLoadError
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """Rotary inverse frequencies; ``local``: the sliding-window layers' base (no scaling)."""
-    dim = config.head_dim
+    dim = config.rope_dim
     theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = None if local else config.rope_scaling
@@ -215,9 +215,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         local = [bool(config.local_rope_theta) and bool(w) for w in config.layer_windows or [0] * config.num_layers]
-        layers = [DecoderLayer(config, local[i]) for i in range(config.num_layers)]
+        layers = self.build_layers(config, local)
         self.layers = nn.ModuleList(layers)
-        self.decoder_layers = layers  # typed view of the same modules
+        self.decoder_layers: list[Any] = layers  # the same modules, each called as a DecoderLayer is
         self.uses_local_rope = any(local)
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -228,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_tables(rope_inv_freq(config, local=True), max_positions) if self.uses_local_rope else (cos, sin)
         self.register_buffer("local_rope_cos", cos, persistent=False)
         self.register_buffer("local_rope_sin", sin, persistent=False)
+
+    def build_layers(self, config: ModelConfig, local_rope: list[bool]) -> list[nn.Module]:
+        """The decoder layers: each is called (hidden, delta, ropes, kv, meta) -> (hidden, delta)."""
+        return [DecoderLayer(config, local_rope[i]) for i in range(config.num_layers)]
 
     def forward(
         self,
@@ -259,50 +263,62 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named float32 weights in, fusing q/k/v and gate/up."""
-        weights = dict(weights)
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ModelLoadError(f"checkpoint is missing weight {name!r}")
-            return weights.pop(name)
-
-        def put(param: Any, tensor: torch.Tensor) -> None:
-            if param.shape != tensor.shape:
-                raise ModelLoadError(f"weight shape {tuple(tensor.shape)} does not match {tuple(param.shape)}")
-            param.copy_(tensor)
-
-        def put_norm(param: Any, name: str) -> None:
-            tensor = take(name)
-            put(param, tensor + 1.0 if self.config.norm_offset else tensor)
-
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
-        put_norm(self.norm, "model.norm.weight")
-        lm_head = weights.pop("lm_head.weight", None)
+        """Copy HF-named float32 weights in (each layer by load_layer_weights); every weight
+        must be used."""
+        reader = WeightReader(weights, self.config.norm_offset)
+        reader.put(self.embed_tokens.weight, reader.take("model.embed_tokens.weight"))
+        reader.put_norm(self.norm, "model.norm.weight")
+        lm_head = reader.weights.pop("lm_head.weight", None)
         if lm_head is None:  # tied embeddings share one tensor
             self.lm_head.weight = self.embed_tokens.weight
         else:
-            put(self.lm_head.weight, lm_head)
+            reader.put(self.lm_head.weight, lm_head)
         for i, layer in enumerate(self.decoder_layers):
-            p = f"model.layers.{i}."
-            put_norm(layer.input_layernorm, p + "input_layernorm.weight")
-            if layer.attn_out_norm is not None and layer.ffn_out_norm is not None:  # Gemma's four norms
-                put_norm(layer.attn_out_norm, p + "post_attention_layernorm.weight")
-                put_norm(layer.ffn_norm, p + "pre_feedforward_layernorm.weight")
-                put_norm(layer.ffn_out_norm, p + "post_feedforward_layernorm.weight")
-            else:
-                put_norm(layer.ffn_norm, p + "post_attention_layernorm.weight")
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            put(layer.qkv_proj.weight, torch.cat(qkv))
-            if layer.qkv_proj.bias is not None:
-                put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"))
-            if layer.q_norm is not None and layer.k_norm is not None:
-                put_norm(layer.q_norm, p + "self_attn.q_norm.weight")
-                put_norm(layer.k_norm, p + "self_attn.k_norm.weight")
-            gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(layer.gate_up_proj.weight, torch.cat(gate_up))
-            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"))
-        leftovers = [k for k in weights if "rotary_emb" not in k]
+            self.load_layer_weights(reader, f"model.layers.{i}.", layer)
+        leftovers = [k for k in reader.weights if "rotary_emb" not in k]
         if leftovers:
             raise ModelLoadError(f"checkpoint has weights the model does not use: {leftovers[:5]}")
+
+    def load_layer_weights(self, reader: WeightReader, p: str, layer: DecoderLayer) -> None:
+        """One layer's weights (names prefixed ``p``), fusing q/k/v and gate/up."""
+        take, put, put_norm = reader.take, reader.put, reader.put_norm
+        put_norm(layer.input_layernorm, p + "input_layernorm.weight")
+        if layer.attn_out_norm is not None and layer.ffn_out_norm is not None:  # Gemma's four norms
+            put_norm(layer.attn_out_norm, p + "post_attention_layernorm.weight")
+            put_norm(layer.ffn_norm, p + "pre_feedforward_layernorm.weight")
+            put_norm(layer.ffn_out_norm, p + "post_feedforward_layernorm.weight")
+        else:
+            put_norm(layer.ffn_norm, p + "post_attention_layernorm.weight")
+        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        put(layer.qkv_proj.weight, torch.cat(qkv))
+        if layer.qkv_proj.bias is not None:
+            put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+        if layer.q_norm is not None and layer.k_norm is not None:
+            put_norm(layer.q_norm, p + "self_attn.q_norm.weight")
+            put_norm(layer.k_norm, p + "self_attn.k_norm.weight")
+        gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+        put(layer.gate_up_proj.weight, torch.cat(gate_up))
+        put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"))
+
+
+class WeightReader:
+    """Hands out a checkpoint's HF-named weights once each; what is left over was not used."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], norm_offset: bool = False) -> None:
+        self.weights = dict(weights)
+        self.norm_offset = norm_offset  # Gemma: norm weights w are applied as (1 + w)
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ModelLoadError(f"checkpoint is missing weight {name!r}")
+        return self.weights.pop(name)
+
+    def put(self, param: Any, tensor: torch.Tensor) -> None:
+        if param.shape != tensor.shape:
+            raise ModelLoadError(f"weight shape {tuple(tensor.shape)} does not match {tuple(param.shape)}")
+        param.copy_(tensor)
+
+    def put_norm(self, param: Any, name: str) -> None:
+        tensor = self.take(name)
+        self.put(param, tensor + 1.0 if self.norm_offset else tensor)

