@@ -146,8 +146,8 @@ def long_prompts(tokenizer: Any) -> list[list[int]]:
 
 def test_gemma3_long_prompts_match_transformers(gemma: LoadedModel) -> None:
     """Prompts three times the window, in one mixed batch with chunked prefill and a pool that
-    forces preemption, then again from the prefix cache: transformers' tokens (fp32, same
-    GGUF), while the sliding layers really dropped their early blocks."""
+    forces preemption, then again from the prefix cache, then one alone: transformers' tokens
+    (fp32, same GGUF), while the sliding layers really dropped their early blocks."""
     prompts = long_prompts(gemma.tokenizer)
     hf = hf_model(gemma.path)
     want = [hf_greedy(hf, p, 8)[0] for p in prompts]
@@ -166,3 +166,6 @@ def test_gemma3_long_prompts_match_transformers(gemma: LoadedModel) -> None:
     stats = llm.engine.kv_stats()
     assert dropped * 16 > 900  # every sliding group released more than 900 tokens' blocks of a sequence
     assert llm.engine.num_preemptions > 0 and stats.prefix_cache.hits > 500
+    alone = LLM(model="gemma-3-270m", loaded=gemma, enable_prefix_caching=False, max_num_batched_tokens=512,
+                kv_cache_memory=pool_block * 560)
+    assert alone.generate([prompts[1]], params)[0].token_ids == want[1]  # a single request, nothing cached

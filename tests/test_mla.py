@@ -92,3 +92,21 @@ def test_mla_bytes_equal_the_planner(references: dict[tuple[str, int | None], An
     assert spec.kv_layout.elements / (4 * (16 + 16 + 24)) == pytest.approx(48 / 224)
     with pytest.raises(ConfigError, match="kv_cache_dtype=int8: MLA's latent"):
         LLM(model=str(path), dtype="float32", kv_cache_dtype="int8", kv_cache_memory="4MiB")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "llama"])
+def test_yarn_rope_matches_transformers(tiny_model_factory: Callable[..., Path], arch: str) -> None:
+    """YaRN (DeepSeek-V2/V3's rotary scaling; Qwen's too): frequencies ramped between beta_fast
+    and beta_slow, cos/sin scaled by the attention factor, and DeepSeek's softmax sharpened by
+    mscale_all_dim — on prompts past the original 128 positions, transformers' tokens."""
+    from transformers import AutoModelForCausalLM
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.707, "mscale_all_dim": 0.707 if arch != "llama" else 0.5, "beta_fast": 32, "beta_slow": 1}
+    path = tiny_model_factory(arch, rope_parameters=yarn)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (140, 200)]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    want = [hf_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want

@@ -203,11 +203,18 @@ def paged_latent_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionM
         end = group.token_start + group.batch * group.query_len
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, -1).transpose(1, 2)
         cached = layer.data.index_select(0, group.block_tables.view(-1)).view(group.batch, -1, latent_dim)
-        if expand is None:
-            keys, values = cached.unsqueeze(1), cached[..., :value_dim].unsqueeze(1)  # one head for all
+        if expand is None:  # one vector for every head: the heads' query rows share one batched matmul
+            rows = q.reshape(group.batch, num_heads * group.query_len, -1)
+            scores = torch.bmm(rows, cached.transpose(1, 2)).view(group.batch, num_heads, group.query_len, -1)
         else:
             keys, values = expand(cached)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).masked_fill_(~group.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        out[group.token_start : end] = torch.matmul(probs, values).transpose(1, 2).reshape(-1, num_heads, value_dim)
+            scores = torch.matmul(q, keys.transpose(-1, -2))
+        scores = scores.mul_(scale).masked_fill_(~group.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cached.dtype)
+        if expand is None:
+            o = torch.bmm(probs.view(group.batch, num_heads * group.query_len, -1), cached[..., :value_dim])
+            o = o.view(group.batch, num_heads, group.query_len, value_dim)
+        else:
+            o = torch.matmul(probs, values)
+        out[group.token_start : end] = o.transpose(1, 2).reshape(-1, num_heads, value_dim)
     return out

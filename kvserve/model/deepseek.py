@@ -27,7 +27,16 @@ from torch import nn
 
 from kvserve.cache.kv_cache import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_latent_attention
-from kvserve.model.llama import LlamaForCausalLM, RotaryTables, WeightReader, add_rms_norm, apply_rope, silu_and_mul
+from kvserve.model.llama import (
+    LlamaForCausalLM,
+    RotaryTables,
+    WeightReader,
+    add_rms_norm,
+    apply_rope,
+    silu_and_mul,
+    yarn_factor,
+    yarn_mscale,
+)
 from kvserve.model.loader import MLAConfig, ModelConfig, MoEConfig
 
 
@@ -121,6 +130,11 @@ class MLAAttention(nn.Module):
         self.w_uv = nn.Parameter(torch.zeros(heads, mla.v_head_dim, mla.kv_lora_rank))
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
         self.scale = qk_dim**-0.5
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("mscale_all_dim"):
+            # DeepSeek's YaRN also sharpens the softmax (HF's yarn_get_mscale, squared)
+            self.scale *= yarn_mscale(yarn_factor(scaling, config.max_position_embeddings),
+                                      scaling["mscale_all_dim"]) ** 2
         self.absorb = True
 
     def forward(self, x: torch.Tensor, rope: RotaryTables, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:

@@ -43,7 +43,50 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(is_mid, mid, scaled).float()
-    raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "yarn":
+        return yarn_inv_freq(inv_freq, scaling, dim, theta, config.max_position_embeddings)
+    raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def yarn_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """YaRN's context factor (DeepSeek-V3 may leave it to max / original positions)."""
+    return float(scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"])
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], dim: int, theta: float,
+                  max_positions: int) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): the fast-rotating dimensions keep their frequency, the slow ones
+    are divided by the factor, with a linear ramp between the dimensions that turn beta_fast and
+    beta_slow times over the original context."""
+    factor = yarn_factor(scaling, max_positions)
+    original = scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return (inv_freq / factor * ramp + inv_freq * (1 - ramp)).float()
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """YaRN scales cos and sin by this (1 for every other rotary type)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = yarn_factor(scaling, config.max_position_embeddings)
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -223,6 +266,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size**0.5 if config.embed_scale else None
         cos, sin = rope_tables(rope_inv_freq(config), max_positions)
+        cos, sin = cos * rope_attention_factor(config), sin * rope_attention_factor(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         cos, sin = rope_tables(rope_inv_freq(config, local=True), max_positions) if self.uses_local_rope else (cos, sin)

@@ -190,7 +190,7 @@ def _hf_config(path: Path) -> ModelConfig:
                                                                               GEMMA3_LOCAL_ROPE_THETA)))
         extras["query_pre_attn_scalar"] = float(cfg.get("query_pre_attn_scalar") or 0) or None
     elif arch in ("deepseek_v2", "deepseek_v3"):
-        extras = _deepseek_extras(cfg, arch, scaling)
+        extras = _deepseek_extras(cfg, arch)
     elif cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and isinstance(cfg.get("layer_types"),
                                                                                           list):
         extras["layer_windows"] = [int(cfg["sliding_window"]) if t == "sliding_attention" else 0
@@ -218,17 +218,14 @@ def _hf_config(path: Path) -> ModelConfig:
     )
 
 
-def _deepseek_extras(cfg: dict[str, Any], arch: str, scaling: dict[str, Any]) -> dict[str, Any]:
+def _deepseek_extras(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """ModelConfig fields of a DeepSeek-V2/V3 config.json (MLA, and MoE when it has experts)."""
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        raise ModelLoadError(f"{arch}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not "
-                             f"supported for MLA yet (default rotary only)")
     mla = MLAConfig(int(cfg["kv_lora_rank"]), int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
                     int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"]),
                     arch == "deepseek_v2" or bool(cfg.get("rope_interleave", True)))
     moe = None
     experts = int(cfg.get("n_routed_experts") or 0)
-    if experts:
+    if experts and int(cfg.get("first_k_dense_replace") or 0) < int(cfg["num_hidden_layers"]):  # some MoE layer
         v3 = arch == "deepseek_v3"
         grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
         moe = MoEConfig(experts, int(cfg["num_experts_per_tok"]), int(cfg.get("n_shared_experts") or 0),

@@ -141,6 +141,11 @@ def render(r: PlanReport, memory_source: str) -> None:
     table.add_row("KV per sequence", f"{r.kv_bytes_per_sequence:,}", format_bytes(r.kv_bytes_per_sequence))
     table.add_row("KV total", f"{r.kv_bytes_total:,}", f"{gib(r.kv_bytes_total)} ({gb(r.kv_bytes_total)})")
     table.add_row("  of which paged tail waste", f"{r.tail_waste_bytes:,}", f"{r.context_distribution} lengths")
+    if len(r.kv_groups) > 1:  # hybrid layouts: what each KV cache group holds per sequence
+        for i, g in enumerate(r.kv_groups):
+            window = f", window {g.sliding_window}" if g.sliding_window else ""
+            table.add_row(f"  group {i}: {g.kind}{window}", f"{g.bytes_per_sequence:,}",
+                          f"{g.blocks_per_sequence} blocks x {g.num_layers} layers per sequence")
     table.add_row(f"weights ({r.weight_dtype})", f"{r.weight_bytes:,}", gb(r.weight_bytes))
     table.add_row("activations + reserve", f"{r.activation_bytes:,}",
                   f"{gb(r.activation_bytes)} ({r.activation_source})")

@@ -38,6 +38,17 @@ class WhatIf:
 
 
 @dataclass(slots=True)
+class GroupPlan:
+    """One KV cache group (kvserve.cache.kv_groups) of a sequence at the planned context."""
+
+    kind: str  # full_attention or sliding_window
+    sliding_window: int
+    num_layers: int  # layers in the group (a pool block holds the largest group's worth)
+    blocks_per_sequence: int
+    bytes_per_sequence: int
+
+
+@dataclass(slots=True)
 class PlanReport:
     """Everything ``kvserve plan`` prints; ``to_dict`` is the --json output (keys documented in
     docs/plan.md, stable within a schema_version)."""
@@ -71,6 +82,7 @@ class PlanReport:
     disk_sessions: int = 0  # ... and tier 2
     what_if: list[WhatIf] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    kv_groups: list[GroupPlan] = field(default_factory=list)  # per KV cache group, as the engine allocates
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": JSON_SCHEMA_VERSION, **asdict(self)}
@@ -104,6 +116,14 @@ class _Sizer:
         spans (at most cdiv(window - 1, block_size) + 1), plus per-sequence extras."""
         blocks = sum(group.spec.blocks_held(context, self.block_size) for group in self.groups)
         return blocks * self.pool_block + self.extra
+
+    def group_plans(self, context: int) -> list[GroupPlan]:
+        out = []
+        for group in self.groups:
+            blocks = group.spec.blocks_held(context, self.block_size)
+            out.append(GroupPlan(group.spec.kind, group.spec.sliding_window, len(group.layers), blocks,
+                                 blocks * self.pool_block))
+        return out
 
     def max_concurrency(self, available: int, context: int) -> int:
         return max(0, available // self.sequence_bytes(context)) if available > 0 else 0
@@ -204,6 +224,7 @@ def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_m
         weight_bytes=weights, activation_bytes=activations, activation_source=activation_source,
         total_bytes=mine.total_bytes, fits=mine.fits, margin_bytes=usable - mine.total_bytes,
         max_concurrency=mine.max_concurrency, max_context=mine.max_context, what_if=rows,
+        kv_groups=sizer.group_plans(context),
     )
     # a tier keeps whole blocks in their stored format (tails stay in the pool)
     blocks_bytes = max(1, sizer.sequence_bytes(context) - sizer.extra)
