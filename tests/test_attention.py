@@ -12,9 +12,11 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
 from kvserve.model.attention import (
+    PREFILL_TILE,
     AttentionGroup,
     AttentionMetadata,
     attention_bias,
+    banded_attention,
     kv_write_rows,
     paged_attention,
     rope_and_write_kv,
@@ -137,3 +139,22 @@ def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused[:, :heads].float(), qk[:, :heads].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def testbanded_attention_equals_one_masked_call(window: int) -> None:
+    """Query tiles over only the key columns they may see give what one SDPA call over the
+    whole mask gives: a chunk of 600 queries after 300 cached tokens, causal, and with a window."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, cached, chunk, dim = 2, 4, 2, 300, 600, 32
+    q = torch.randn(batch, heads, chunk, dim)
+    k, v = torch.randn(batch, kv_heads, cached + chunk, dim), torch.randn(batch, kv_heads, cached + chunk, dim)
+    query_pos = cached + torch.arange(chunk)[:, None]
+    key_pos = torch.arange(cached + chunk)[None, :]
+    mask = key_pos <= query_pos
+    if window:
+        mask &= key_pos > query_pos - window
+    mask = mask.expand(batch, 1, chunk, cached + chunk)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    assert chunk > PREFILL_TILE
+    torch.testing.assert_close(banded_attention(q, k, v, mask, 0.2), want, atol=1e-5, rtol=1e-5)

@@ -119,6 +119,30 @@ def _attend_kv_major(
     return out.view(kv_heads, batch, group, query_len, head_dim).permute(1, 3, 0, 2, 4)
 
 
+PREFILL_TILE = 256  # query rows per SDPA call when a mask bands the keys
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """SDPA with an explicit mask (q [B, H, Lq, D]; k, v [B, KVH, L, D]; mask [B, 1, Lq, L]),
+    in tiles of PREFILL_TILE query rows, each over only the key columns its rows may see: a
+    sliding window's prefill chunk (and a causal chunk after a cached prefix) then skips the
+    keys wholly masked for the tile instead of computing and discarding them (measured on
+    Gemma 3's 2,000-token prompts: the window's layers did 4x the needed work untiled)."""
+    query_len = q.shape[2]
+    if query_len <= PREFILL_TILE:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = torch.empty_like(q)
+    for start in range(0, query_len, PREFILL_TILE):
+        rows = mask[:, :, start : start + PREFILL_TILE]
+        seen = rows.any(dim=2).any(dim=0).squeeze(0).nonzero()
+        low, high = int(seen[0]), int(seen[-1]) + 1  # every row sees its own key, so seen is never empty
+        out[:, :, start : start + PREFILL_TILE] = F.scaled_dot_product_attention(
+            q[:, :, start : start + PREFILL_TILE], k[:, :, low:high], v[:, :, low:high],
+            attn_mask=rows[..., low:high], scale=scale, enable_gqa=True)
+    return out
+
+
 def _quantized_kernel(out: torch.Tensor, query: torch.Tensor, layer: LayerKV, group: AttentionGroup,
                       scale: float) -> None:
     kernel = cpu_op("paged_attention_quantized")
@@ -174,11 +198,12 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
             assert group.mask is not None
             # With no cached prefix, top-left causal alignment is exact (padded keys lie past
             # every query) and SDPA's is_causal path is ~30% faster than an explicit mask.
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-                attn_mask=None if group.causal_from_start else group.mask,
-                is_causal=group.causal_from_start, scale=scale, enable_gqa=True,
-            ).transpose(1, 2)
+            if group.causal_from_start:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
+                                                   is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+            else:
+                o = banded_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1), group.mask,
+                                      scale).transpose(1, 2)
         else:
             o = _attend_kv_major(q, k, v, group.bias, scale)
         out[group.token_start : end] = o.reshape(-1, num_heads, head_dim)
