@@ -46,7 +46,7 @@ def _decode_group(block_tables: torch.Tensor, lens: torch.Tensor, block_size: in
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 # (64|128, group <= 8) take the AVX-512 path where the CPU has it; dim 32 and group 9 the portable one
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 32), (9, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 32), (9, 1, 64), (4, 1, 256)])
 def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: int, heads: int, kv_heads: int,
                                     dim: int) -> None:
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
 @pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64), (4, 1, 256)])
 @pytest.mark.parametrize("cached", [False, True])  # True: each chunk follows a prefix already in the pool
 def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_size: int, heads: int,
                                           kv_heads: int, dim: int, cached: bool) -> None:
@@ -142,7 +142,7 @@ def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("window", [0, 100])
-def testbanded_attention_equals_one_masked_call(window: int) -> None:
+def test_banded_attention_equals_one_masked_call(window: int) -> None:
     """Query tiles over only the key columns they may see give what one SDPA call over the
     whole mask gives: a chunk of 600 queries after 300 cached tokens, causal, and with a window."""
     torch.manual_seed(0)

@@ -120,13 +120,14 @@ def test_pool_bytes_equal_the_planner_formula(kv_dtype: str, block_size: int,
 
 @pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", *QUANTIZED])
-@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (4, 2), (9, 3)])
-def test_quantized_kernels_match_the_torch_path(kv_dtype: str, heads: int, kv_heads: int,
+@pytest.mark.parametrize("heads,kv_heads,dim", [(2, 1, 64), (4, 2, 64), (9, 3, 64), (4, 1, 256)])
+def test_quantized_kernels_match_the_torch_path(kv_dtype: str, heads: int, kv_heads: int, dim: int,
                                                 tiny_model_factory: Callable[..., Path]) -> None:
     """Decode and prefill (fresh and after cached chunks) read the quantized pool the same way
     in the C++ kernels as in the torch gather path: same tokens, log-probs equal to 5e-3 (float32
-    summation order differs; random weights amplify it over 12 steps)."""
-    path = str(tiny_model_factory("qwen2", hidden_size=64 * heads, num_attention_heads=heads,
+    summation order differs; random weights amplify it over 12 steps; 1e-2 for the head_dim 256
+    model, four times wider: its portable loop and its vector path both differ by 7.6e-3 in bf16)."""
+    path = str(tiny_model_factory("qwen2", hidden_size=dim * heads, num_attention_heads=heads,
                                   num_key_value_heads=kv_heads))
     prompts = [[5] * 3, list(range(1, 90)), [9, 8, 7, 6], list(range(200, 240))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -139,7 +140,7 @@ def test_quantized_kernels_match_the_torch_path(kv_dtype: str, heads: int, kv_he
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs is not None and b.logprobs is not None
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 5e-3
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < (5e-3 if dim == 64 else 1e-2)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])

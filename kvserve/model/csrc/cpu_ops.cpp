@@ -221,6 +221,7 @@ static DecodeJob<T> vector_job(int64_t dim, int64_t group) {
   if constexpr (std::is_same_v<T, double>) return nullptr;
   else if (dim == 64) return pick_group<T, 4>(group);
   else if (dim == 128) return pick_group<T, 8>(group);
+  else if (dim == 256) return pick_group<T, 16>(group);  // Gemma 3: 5x the portable loop here, spills and all
   return nullptr;
 }
 #endif
@@ -544,6 +545,7 @@ static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, T* ou
                         int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill) {
   if (dim == 64) prefill_kernel<T, 4, 4>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
   else if (dim == 128) prefill_kernel<T, 8, 2>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+  else if (dim == 256) prefill_kernel<T, 16, 1>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
   else return false;
   return true;
 }
@@ -969,7 +971,8 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
       if (query_len == 1) {
 #if defined(__AVX512F__)
         const QuantJob job_fn = dim == 64 ? pick_quant_kind<4>(kind, group)
-                                : dim == 128 ? pick_quant_kind<8>(kind, group) : nullptr;
+                                : dim == 128 ? pick_quant_kind<8>(kind, group)
+                                : dim == 256 ? pick_quant_kind<16>(kind, group) : nullptr;
 #endif
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                       out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
