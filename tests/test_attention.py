@@ -75,7 +75,7 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
 @pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64), (4, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("cached", [False, True])  # True: each chunk follows a prefix already in the pool
 def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_size: int, heads: int,
                                           kv_heads: int, dim: int, cached: bool) -> None:
