@@ -14,16 +14,12 @@ import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.kv_disk import DiskTier
-from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, capacity_tokens
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, capacity_tokens, cdiv
 from kvserve.cache.kv_stats import KVCacheStats, KVGroupStats, PrefixCacheStats
 from kvserve.cache.kv_tiers import TierIndex, TierMoves
 
 TokenReader = Callable[[int, int], list[int]]  # (start, end) -> the request's token ids in [start, end)
 CachedBlock = KVCacheBlock | bytes  # a prefix hit: a pool block, or the key of a block in tier 1
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -113,8 +109,6 @@ class KVCacheManager:
     @property
     def capacity_tokens(self) -> int:
         """Tokens one sequence can hold in an otherwise empty pool (its tail runs included)."""
-        if self.tail_blocks and self.pool.num_blocks < (len(self.groups) + 1) * self.tail_blocks:
-            return 0  # no aligned runs besides the null block's
         return capacity_tokens(self.groups, self.pool.num_usable_blocks, self.block_size, self.max_chunk_tokens,
                                self.tail_blocks)
 
@@ -188,6 +182,11 @@ class KVCacheManager:
             return 0
         return sum(self.num_tokens[request_id] - self.block_size * released
                    for released in self.num_released[request_id])
+
+    def _live_tables(self, request_id: str) -> list[list[KVCacheBlock]]:
+        """Per group, the blocks the request holds: its table past the released entries."""
+        return [table[first:] for table, first in zip(self.block_tables[request_id], self.num_released[request_id],
+                                                      strict=True)]
 
     def _release_out_of_window(self, request_id: str) -> None:
         """Sliding-window groups give back the blocks no query from now on reads (they stay in
@@ -279,8 +278,7 @@ class KVCacheManager:
         """Preemption by swapping: copy the request's live blocks (and its tail runs) to reserved
         tier-1 slots and free them. False if tier 1 cannot take them (the caller recomputes
         instead; counted in num_swap_fallbacks); nothing changes then."""
-        released = self.num_released[request_id]
-        live = [table[first:] for table, first in zip(self.block_tables[request_id], released, strict=True)]
+        live = self._live_tables(request_id)
         blocks = [block for table in live for block in table] + \
             [block for run in self.tails.get(request_id, []) for block in run]
         slots = self.host_tier.reserve(len(blocks)) if self.host_tier is not None else None
@@ -290,7 +288,8 @@ class KVCacheManager:
         assert self.host_tier is not None
         for block, slot in zip(blocks, slots, strict=True):
             self.host_tier.save(block.block_id, slot)
-        self.swapped[request_id] = SwappedBlocks(slots, [len(table) for table in live], list(released),
+        self.swapped[request_id] = SwappedBlocks(slots, [len(table) for table in live],
+                                                 list(self.num_released[request_id]),
                                                  self.num_tokens[request_id], self.num_published[request_id])
         self._release_blocks(request_id)
         self.num_swaps_out += 1
@@ -408,12 +407,13 @@ class KVCacheManager:
 
     def _release_blocks(self, request_id: str) -> None:
         self._logical_tokens -= self._stored_tokens(request_id)
-        tables = self.block_tables.pop(request_id, [])
-        released = self.num_released.pop(request_id, [])
+        live = self._live_tables(request_id) if request_id in self.block_tables else []
+        self.block_tables.pop(request_id, None)
+        self.num_released.pop(request_id, None)
         self.num_tokens.pop(request_id, None)
         self.num_published.pop(request_id, None)
-        for table, first in zip(tables, released, strict=True):
-            self.pool.free_blocks(table[first:][::-1])
+        for table in live:
+            self.pool.free_blocks(table[::-1])
         for run in self.tails.pop(request_id, []):
             self.pool.free_blocks(run)
 
@@ -448,8 +448,8 @@ class KVCacheManager:
 
     def live_blocks(self, request_id: str, group: int = 0) -> tuple[int, list[int]]:
         """(index of the first entry a query can still read, the ids from there on)."""
-        first = self.num_released[request_id][group]
-        return first, [block.block_id for block in self.block_tables[request_id][group][first:]]
+        return (self.num_released[request_id][group],
+                [block.block_id for block in self._live_tables(request_id)[group]])
 
     def slot_mapping(self, request_id: str, start: int, end: int, group: int = 0) -> list[int]:
         """Flat cache slot of each token position in [start, end) in ``group``'s table."""
@@ -493,9 +493,7 @@ class KVCacheManager:
             peak_num_requests=self._peak_requests,
             utilization_at_peak=self._util_at_peak,
             mean_utilization=self._util_sum / self._util_samples if self._util_samples else 1.0,
-            per_request_blocks={rid: sum(len(table) - first for table, first in zip(tables, self.num_released[rid],
-                                                                                       strict=True))
-                                for rid, tables in self.block_tables.items()},
+            per_request_blocks={rid: sum(map(len, self._live_tables(rid))) for rid in self.block_tables},
             prefix_cache=self.prefix_cache_stats(),
             tail_slots_used=len(self.tails) * len(self.groups),
             tail_blocks_used=len(self.tails) * len(self.groups) * self.tail_blocks,
@@ -507,13 +505,11 @@ class KVCacheManager:
 
     def group_stats(self) -> list[KVGroupStats]:
         """Per group: the blocks its tables hold (a shared block once) and the tokens they store."""
-        out = []
-        for group, spec in enumerate(self.groups):
-            held: set[int] = set()
-            tokens = 0
-            for rid, tables in self.block_tables.items():
-                first = self.num_released[rid][group]
-                held.update(block.block_id for block in tables[group][first:])
-                tokens += self.num_tokens[rid] - first * self.block_size
-            out.append(KVGroupStats(spec.kind, spec.sliding_window, len(held), tokens))
-        return out
+        held: list[set[int]] = [set() for _ in self.groups]
+        tokens = [0] * len(self.groups)
+        for rid in self.block_tables:
+            for group, (live, first) in enumerate(zip(self._live_tables(rid), self.num_released[rid], strict=True)):
+                held[group].update(block.block_id for block in live)
+                tokens[group] += self.num_tokens[rid] - first * self.block_size
+        return [KVGroupStats(spec.kind, spec.sliding_window, len(ids), count)
+                for spec, ids, count in zip(self.groups, held, tokens, strict=True)]

@@ -70,7 +70,11 @@ def sequence_blocks(specs: Sequence[KVCacheSpec], num_tokens: int, block_size: i
 def capacity_tokens(specs: Sequence[KVCacheSpec], usable_blocks: int, block_size: int, chunk: int = 1,
                     tail_blocks: int = 0) -> int:
     """The longest sequence ``usable_blocks`` pool blocks hold on their own (1 << 30 when only
-    sliding groups, whose memory stops growing, fit at all)."""
+    sliding groups, whose memory stops growing, fit at all; 0 when the pool has no room for one
+    aligned tail run per group besides the null block's)."""
+    if tail_blocks and usable_blocks + 1 < (len(specs) + 1) * tail_blocks:
+        return 0
+
     def fits(tokens: int) -> bool:
         return sequence_blocks(specs, tokens, block_size, chunk, tail_blocks) <= usable_blocks
 

@@ -57,9 +57,10 @@ class ModelRunner:
         query_len = chunks[0].num_tokens
         seq_lens = [c.request.num_computed_tokens + c.num_tokens for c in chunks]
         windowed = bool(window) and max(seq_lens) > window
-        live = [self.kv.live_blocks(c.request.request_id, kv_group) for c in chunks]
-        if not windowed:  # every key is in every query's window: plain causal attention
-            live = [(0, self.kv.block_ids(c.request.request_id, kv_group)) for c in chunks]
+        # a window that cuts into the sequences reads each table from its first live block; else
+        # every key is in every query's window: the whole table, plain causal attention
+        live = [self.kv.live_blocks(c.request.request_id, kv_group) if windowed
+                else (0, self.kv.block_ids(c.request.request_id, kv_group)) for c in chunks]
         width = max(len(ids) for _, ids in live)
         block_tables = torch.tensor([ids + [0] * (width - len(ids)) for _, ids in live], device=self.device)
         lens = torch.tensor(seq_lens, device=self.device)

@@ -123,7 +123,7 @@ PREFILL_TILE = 256  # query rows per SDPA call when a mask bands the keys
 
 
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                     scale: float) -> torch.Tensor:
     """SDPA with an explicit mask (q [B, H, Lq, D]; k, v [B, KVH, L, D]; mask [B, 1, Lq, L]),
     in tiles of PREFILL_TILE query rows, each over only the key columns its rows may see: a
     sliding window's prefill chunk (and a causal chunk after a cached prefix) then skips the
@@ -203,7 +203,7 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
                                                    is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
             else:
                 o = banded_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1), group.mask,
-                                      scale).transpose(1, 2)
+                                     scale).transpose(1, 2)
         else:
             o = _attend_kv_major(q, k, v, group.bias, scale)
         out[group.token_start : end] = o.reshape(-1, num_heads, head_dim)
@@ -228,18 +228,15 @@ def paged_latent_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionM
         end = group.token_start + group.batch * group.query_len
         q = query[group.token_start : end].view(group.batch, group.query_len, num_heads, -1).transpose(1, 2)
         cached = layer.data.index_select(0, group.block_tables.view(-1)).view(group.batch, -1, latent_dim)
-        if expand is None:  # one vector for every head: the heads' query rows share one batched matmul
-            rows = q.reshape(group.batch, num_heads * group.query_len, -1)
-            scores = torch.bmm(rows, cached.transpose(1, 2)).view(group.batch, num_heads, group.query_len, -1)
+        if expand is None:  # one vector for every head: the heads' query rows stacked against it
+            # (one matmul per sequence; broadcasting the vectors over the heads copied them, 19x slower)
+            q = q.reshape(group.batch, 1, num_heads * group.query_len, -1)
+            keys, values = cached.unsqueeze(1), cached[..., :value_dim].unsqueeze(1)
         else:
             keys, values = expand(cached)
-            scores = torch.matmul(q, keys.transpose(-1, -2))
+        scores = torch.matmul(q, keys.transpose(-1, -2)).view(group.batch, num_heads, group.query_len, -1)
         scores = scores.mul_(scale).masked_fill_(~group.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cached.dtype)
-        if expand is None:
-            o = torch.bmm(probs.view(group.batch, num_heads * group.query_len, -1), cached[..., :value_dim])
-            o = o.view(group.batch, num_heads, group.query_len, value_dim)
-        else:
-            o = torch.matmul(probs, values)
+        o = torch.matmul(probs.view(*q.shape[:-1], -1), values).view(group.batch, num_heads, group.query_len, -1)
         out[group.token_start : end] = o.transpose(1, 2).reshape(-1, num_heads, value_dim)
     return out

@@ -239,13 +239,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                                           for i in experts]))
             put(mlp.down, torch.stack([take(f"{e}{i}.down_proj.weight") for i in experts]))
             if mlp.shared is not None:
-                self._load_gated(reader, p + "mlp.shared_experts.", mlp.shared)
+                reader.put_gated_mlp(p + "mlp.shared_experts.", mlp.shared.gate_up_proj, mlp.shared.down_proj)
         else:
             assert isinstance(mlp, GatedMLP)
-            self._load_gated(reader, p + "mlp.", mlp)
-
-    @staticmethod
-    def _load_gated(reader: WeightReader, p: str, mlp: GatedMLP) -> None:
-        reader.put(mlp.gate_up_proj.weight, torch.cat((reader.take(p + "gate_proj.weight"),
-                                                       reader.take(p + "up_proj.weight"))))
-        reader.put(mlp.down_proj.weight, reader.take(p + "down_proj.weight"))
+            reader.put_gated_mlp(p + "mlp.", mlp.gate_up_proj, mlp.down_proj)

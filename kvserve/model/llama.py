@@ -341,9 +341,7 @@ class LlamaForCausalLM(nn.Module):
         if layer.q_norm is not None and layer.k_norm is not None:
             put_norm(layer.q_norm, p + "self_attn.q_norm.weight")
             put_norm(layer.k_norm, p + "self_attn.k_norm.weight")
-        gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-        put(layer.gate_up_proj.weight, torch.cat(gate_up))
-        put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"))
+        reader.put_gated_mlp(p + "mlp.", layer.gate_up_proj, layer.down_proj)
 
 
 class WeightReader:
@@ -366,3 +364,8 @@ class WeightReader:
     def put_norm(self, param: Any, name: str) -> None:
         tensor = self.take(name)
         self.put(param, tensor + 1.0 if self.norm_offset else tensor)
+
+    def put_gated_mlp(self, p: str, gate_up: nn.Linear, down: nn.Linear) -> None:
+        """A gated MLP's gate_proj and up_proj fused into ``gate_up``, and its down_proj."""
+        self.put(gate_up.weight, torch.cat((self.take(p + "gate_proj.weight"), self.take(p + "up_proj.weight"))))
+        self.put(down.weight, self.take(p + "down_proj.weight"))

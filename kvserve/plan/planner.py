@@ -14,7 +14,7 @@ from kvserve.cache.kv_format import (
     normalize_kv_dtype,
     num_blocks_for_budget,
 )
-from kvserve.cache.kv_groups import group_layers, group_size, sliding_specs
+from kvserve.cache.kv_groups import group_layers, group_size, sequence_blocks, sliding_specs
 from kvserve.config import ConfigError, parse_size
 from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.plan.spec import ModelSpec, SpecError
@@ -102,6 +102,7 @@ class _Sizer:
         self.layer_block = kv_block_bytes(spec.kv_layout, 1, kv_dtype, block_size, key_scales)
         # the engine's KV cache groups (kv_groups): a pool block holds one group's layers
         self.groups = group_layers(sliding_specs(spec.num_layers, spec.num_sliding_layers, spec.sliding_window))
+        self.specs = [group.spec for group in self.groups]
         self.pool_block = group_size(self.groups) * self.layer_block
         self.extra = len(self.groups) * kv_sequence_extra_bytes(spec.kv_layout, group_size(self.groups), kv_dtype,
                                                                 block_size, full, key_scales)
@@ -114,8 +115,7 @@ class _Sizer:
         """One sequence at ``context`` tokens, as the engine allocates it while decoding: whole
         blocks in every full-attention group, in each sliding-window group the blocks its window
         spans (at most cdiv(window - 1, block_size) + 1), plus per-sequence extras."""
-        blocks = sum(group.spec.blocks_held(context, self.block_size) for group in self.groups)
-        return blocks * self.pool_block + self.extra
+        return sequence_blocks(self.specs, context, self.block_size) * self.pool_block + self.extra
 
     def group_plans(self, context: int) -> list[GroupPlan]:
         out = []
