@@ -33,6 +33,67 @@ class ConfigError(ValueError):
     """A user-supplied setting is invalid; the message names the setting and the value."""
 
 
+SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys). ``ngram`` proposes what
+    followed the latest earlier occurrence of the sequence's last n-gram (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``); ``draft_model`` runs ``model``, a
+    smaller model with the target's vocabulary, on its own paged KV cache; ``layer_skip`` drafts
+    with the target's first ``num_draft_layers`` layers and its LM head (no extra weights)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # draft_model: alias, .gguf or HF folder
+    num_draft_layers: int = 0  # layer_skip: 0 = a third of the target's layers
+    # no drafts in a step where more requests than this decode (vLLM's name); 0 = never disable
+    disable_by_batch_size: int = 8
+    # adapt k per request from its measured acceptance: propose k maximizing expected tokens per
+    # unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps
+    draft_token_cost: float = 0.1
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From a dict or its JSON text; an unknown key or a bad value names itself."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = json_object(value, "speculative_config")
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config: expected a JSON object, got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_config: method must be one of {', '.join(SPEC_METHODS)}, "
+                              f"got {self.method!r}")
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1),
+                          ("num_draft_layers", 0), ("disable_by_batch_size", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"speculative_config: {name} must be an integer >= {low}, got {value!r}")
+        if self.num_speculative_tokens > 32:
+            raise ConfigError(f"speculative_config: num_speculative_tokens must be <= 32, "
+                              f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError("speculative_config: method draft_model needs \"model\" (an alias, .gguf or HF folder)")
+        if isinstance(self.draft_token_cost, bool) or not isinstance(self.draft_token_cost, (int, float)) \
+                or not 0.0 <= self.draft_token_cost <= 10.0:
+            raise ConfigError(f"speculative_config: draft_token_cost must be a number in [0, 10], "
+                              f"got {self.draft_token_cost!r}")
+
+
 def parse_size(value: str | int | float, name: str = "size") -> int:
     """Parse "2GiB", "512MB", "1.5G" or a plain byte count into bytes."""
     if isinstance(value, bool):
@@ -53,15 +114,19 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-empty line; a bad line is a ConfigError naming it."""
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{path}:{n}: expected a JSON object")
-        yield n, obj
+        if line.strip():
+            yield n, json_object(line, f"{path}:{n}")
+
+
+def json_object(text: str, where: str) -> dict[str, Any]:
+    """``text`` parsed as one JSON object; anything else is a ConfigError naming ``where``."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg}): {text[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {text[:80]!r}")
+    return obj
 
 
 def read_jsonl_prompts(path: Path) -> list[Any]:
@@ -130,6 +195,8 @@ class EngineConfig:
     # every layer keeps every block (sliding-window layers still attend within their window):
     # vLLM's flag of the same name, kept to measure what the KV cache groups save
     disable_hybrid_kv_cache_manager: bool = False
+    # speculative decoding: a SpeculativeConfig, its dict, or its JSON text (vLLM's speculative_config)
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -178,5 +245,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")

@@ -62,8 +62,10 @@ TINY = {
 }
 
 
-def make_tiny_model(root: Path, arch: str, **overrides: Any) -> Path:
-    """A random-weight HF folder (config.json + safetensors) of the given architecture."""
+def make_tiny_model(root: Path, arch: str, o_proj_scale: float = 1.0, **overrides: Any) -> Path:
+    """A random-weight HF folder (config.json + safetensors) of the given architecture.
+    ``o_proj_scale`` < 1 weakens attention's output, so the next token depends mostly on the
+    current one: greedy decoding soon repeats itself (speculation then has drafts to accept)."""
     import transformers
 
     config_cls = {
@@ -88,6 +90,9 @@ def make_tiny_model(root: Path, arch: str, **overrides: Any) -> Path:
         for name, buffer in model.named_buffers():  # V3's router correction bias: not all zeros
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight"):
+                p.mul_(o_proj_scale)
     path = root / arch
     model.save_pretrained(str(path), safe_serialization=True)
     return path

@@ -151,15 +151,17 @@ def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int, int, in
     reqs = draw(st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 30), st.integers(0, 6)),
                          min_size=1, max_size=12))
     tier_blocks = draw(st.sampled_from([0, 0, 4, 40]))  # tier 1: prefix demotion and swap preemption
-    return reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64)), tail_blocks, tier_blocks
+    return (reqs, block_size, num_blocks, draw(st.integers(1, 8)), draw(st.integers(1, 64)), tail_blocks, tier_blocks,
+            draw(st.sampled_from([0, 0, 3, 7])))  # speculative drafts per step, at most
 
 
 @given(workloads(), st.randoms(use_true_random=False))
 @settings(max_examples=150, deadline=None)
 def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: ignore[no-untyped-def]
     """Drive the real scheduler and manager with bookkeeping in place of the model: random
-    arrivals and aborts; every request ends with exactly its tokens, blocks never leak."""
-    specs, block_size, num_blocks, max_seqs, budget, tail_blocks, tier_blocks = workload
+    arrivals and aborts, and speculative drafts of which a random prefix stands (the rest rolled
+    back); every request ends with exactly its tokens, blocks never leak."""
+    specs, block_size, num_blocks, max_seqs, budget, tail_blocks, tier_blocks, max_drafts = workload
     tier = TierIndex("cpu", tier_blocks, 1) if tier_blocks else None
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, tail_blocks=tail_blocks, host_tier=tier)
     sched = Scheduler(kv, max_seqs, budget, preemption_mode="swap" if tier else "recompute")
@@ -181,6 +183,11 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
             victim = rnd.choice(sched.running)
             sched.finish(victim, "abort")
             aborted.add(victim.request_id)
+        for r in sched.running:  # drafts: the tokens that should come next (a token encodes its index)
+            if max_drafts and r.num_computed_tokens == r.num_tokens - 1:
+                k = min(rnd.randint(0, max_drafts), r.params.max_tokens - len(r.output_token_ids) - 1,
+                        max_len - r.num_tokens - 1)
+                r.spec_token_ids = list(range(len(r.output_token_ids), len(r.output_token_ids) + max(k, 0)))
         scheduled = sched.schedule()
         chunks = scheduled.chunks
         for r in scheduled.preempted:  # swapped out (progress kept, blocks in tier 1) or reset for recompute
@@ -204,10 +211,18 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
             c.request.num_computed_tokens += c.num_tokens
             if done:
                 r = c.request
-                r.output_token_ids.append(len(r.output_token_ids))  # the token encodes its index
-                if len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= max_len:
-                    sched.finish(r, "length")
+                accepted = rnd.randint(0, len(c.draft_token_ids))
+                if c.draft_token_ids:  # the rest were rejected: their slots are rolled back
+                    r.num_computed_tokens -= len(c.draft_token_ids) - accepted
+                    kv.rollback(r.request_id, r.num_computed_tokens)
+                for _ in range(accepted + 1):
+                    r.output_token_ids.append(len(r.output_token_ids))  # the token encodes its index
+                    if len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= max_len:
+                        sched.finish(r, "length")
+                        break
         check_manager(kv)
+        for r in sched.running:  # slots held = tokens computed: rejected drafts hold none
+            assert kv.num_tokens[r.request_id] == r.num_computed_tokens
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
     assert not kv.swapped and (tier is None or tier.num_reserved == 0)
     for r in requests:

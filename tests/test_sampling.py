@@ -10,7 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LoadedModel
-from kvserve.engine.sampling import TokenHistory, _filter_logits, process_logits, sample
+from kvserve.engine.sampling import TokenHistory, filter_logits, process_logits, sample
 
 PROMPT = [3, 14, 15, 92, 65]
 
@@ -24,7 +24,7 @@ def test_filters_keep_the_right_tokens() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
     params = [SamplingParams(top_k=2), SamplingParams(top_p=0.7), SamplingParams(min_p=0.5),
               SamplingParams(top_p=0.85, top_k=3)]
-    kept = torch.isfinite(_filter_logits(logits, params)).tolist()
+    kept = torch.isfinite(filter_logits(logits, params)).tolist()
     assert kept == [[True, True, False, False], [True, True, False, False],
                     [True, True, False, False], [True, True, True, False]]
 

@@ -203,12 +203,13 @@ class KVCacheManager:
                 released[group] = live
 
     def allocate_slots(self, request_id: str, num_tokens: int, tokens: TokenReader | None = None,
-                       cached: CachedPrefix | None = None) -> bool:
+                       cached: CachedPrefix | None = None, num_lookahead_tokens: int = 0) -> bool:
         """Make room for the request's first ``num_tokens`` tokens, starting a new request's tables
         with ``cached`` (from find_cached_prefix; lower-tier hits get fresh blocks, copied back
         before the step runs). False if the pool is short (nothing is allocated then). With
         caching on, ``tokens`` reads the request's token ids, and every block that these tokens
-        fill is published."""
+        fill is published — except the last ``num_lookahead_tokens`` (speculative drafts, which
+        may still be rejected: see rollback)."""
         tables = self.block_tables.get(request_id)
         new = tables is None
         if not new and cached is not None and cached.num_blocks:
@@ -256,8 +257,25 @@ class KVCacheManager:
         self.num_tokens[request_id] = max(num_tokens, self.num_tokens[request_id])
         self._logical_tokens += self._stored_tokens(request_id) - before
         if self.enable_prefix_caching and tokens is not None:
-            self._publish(request_id, num_tokens, tokens)
+            self._publish(request_id, num_tokens - num_lookahead_tokens, tokens)
         return True
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Keep only the request's first ``num_tokens`` slots (its rejected draft tokens' slots are
+        forgotten): table entries wholly past them go back to the pool. They were never published
+        (allocate_slots publishes no lookahead token), and the slots kept past the accepted
+        tokens are rewritten before anything reads them."""
+        tables = self.block_tables[request_id]
+        if num_tokens >= self.num_tokens[request_id]:
+            return
+        before = self._stored_tokens(request_id)
+        keep = self.blocks_needed(num_tokens)
+        for table in tables:
+            rejected = table[keep:]
+            del table[keep:]
+            self.pool.free_blocks(rejected[::-1])
+        self.num_tokens[request_id] = num_tokens
+        self._logical_tokens += self._stored_tokens(request_id) - before
 
     def _take_tail_runs(self, avoid: set[int], fresh: bool = True) -> list[list[KVCacheBlock]] | None:
         """One aligned tail run per group (none of them in ``avoid``), or None (nothing taken).

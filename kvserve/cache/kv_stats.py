@@ -41,6 +41,37 @@ class KVGroupStats:
 
 
 @dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding counters since start-up (vLLM's spec_decode_* names)."""
+
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verify steps (one per request per step that verified drafts)
+    num_draft_tokens: int = 0  # drafts proposed and verified
+    num_accepted_tokens: int = 0  # drafts that stood
+    num_bonus_tokens: int = 0  # verify steps whose drafts all stood (the target's next token is a bonus)
+    accepted_per_position: list[int] = field(default_factory=list)  # drafts accepted at position i
+    num_disabled_steps: int = 0  # steps that drafted nothing: more requests decoded than disable_by_batch_size
+    draft_kv: KVCacheStats | None = None  # the draft model's own pool (draft_model, layer_skip)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step yields: accepted drafts plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def __str__(self) -> str:
+        draft = f", draft KV {self.draft_kv.blocks_used}/{self.draft_kv.num_blocks} blocks" if self.draft_kv else ""
+        return (f"speculative decoding ({self.method}, k={self.num_speculative_tokens}): {self.num_drafts} verify "
+                f"steps, acceptance {100 * self.acceptance_rate:.1f}% ({self.num_accepted_tokens}/"
+                f"{self.num_draft_tokens} drafts), mean accepted length {self.mean_accepted_length:.2f}, "
+                f"{self.num_disabled_steps} steps disabled by batch size{draft}")
+
+
+@dataclass(slots=True)
 class KVCacheStats:
     """A snapshot of the pool. Token figures count slots, not bytes.
 
@@ -77,6 +108,7 @@ class KVCacheStats:
     swap_fallbacks: int = 0  # swap preemptions that recomputed instead: tier 1 was full
     num_swapped: int = 0  # requests whose blocks wait in tier 1 now
     groups: list[KVGroupStats] = field(default_factory=list)  # per KV cache group (one for plain models)
+    spec_decode: SpecDecodeStats | None = None  # set by the engine when speculative decoding is on
 
     @property
     def usage(self) -> float:
@@ -117,4 +149,5 @@ class KVCacheStats:
             + "".join(f" | tier {t.name}: {t.blocks} blocks ({t.used_bytes / 2**20:.1f}/"
                       f"{t.capacity_bytes / 2**20:.1f} MiB), {t.hits} hits, {t.blocks_in} in, {t.evictions} dropped"
                       for t in self.tiers)
+            + (f" | {self.spec_decode}" if self.spec_decode is not None else "")
         )

@@ -35,12 +35,13 @@ from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.cache.kv_scales import KVScales, model_fingerprint
 from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.cache.kv_tiers import TierIndex
-from kvserve.config import ConfigError, EngineConfig, device_total_memory, format_bytes
+from kvserve.config import ConfigError, EngineConfig, SpeculativeConfig, device_total_memory, format_bytes
 from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
+from kvserve.engine.spec_decode import NgramProposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
@@ -169,6 +170,19 @@ class LLMEngine:
         if model_config.is_gemma and self.tokenizer is not None:  # a chat turn ends with <end_of_turn>
             self.eos_token_ids.add(self.tokenizer.convert_tokens_to_ids("<end_of_turn>"))
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
+        self.spec = self._spec_decoder()
+
+    def _spec_decoder(self) -> SpecDecoder | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        assert isinstance(spec, SpeculativeConfig)
+        if spec.method != "ngram":
+            raise ConfigError(f"speculative_config: method {spec.method} is not available yet")
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        logger.info("speculative decoding: %s, up to %d tokens per step, off above %s decoding requests",
+                    spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size or "no limit of")
+        return SpecDecoder(spec, proposer, self.config.block_size, self.kv_cache.uses_tail, self.max_model_len)
 
     # ------------------------------------------------------------------ start-up sizing
 
@@ -370,7 +384,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+            self._finish(request, "abort")
             request.finish_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
@@ -391,30 +405,43 @@ class LLMEngine:
         chunks = scheduled.chunks
         if not chunks:
             return []
-        sampled, result = self.runner.execute(chunks)
+        if self.spec is not None:
+            for victim in scheduled.preempted:
+                self.spec.proposer.free(victim.request_id)
+        sampled = self.runner.execute(chunks)
         self.kv_manager.record_step()  # peak figures as held during the forward pass
         self._watch_drift()
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = []
         now = time.monotonic()
-        for row, chunk in enumerate(sampled):
-            assert result is not None
+        for chunk, result in sampled:
             request = chunk.request
-            token = result.token_ids[row]
-            request.output_token_ids.append(token)
-            if result.logprobs is not None and request.params.logprobs is not None:
-                request.output_logprobs.append(result.logprobs[row])
-                if result.top_logprobs is not None:
-                    request.output_top_logprobs.append(result.top_logprobs[row])
+            if chunk.draft_token_ids:  # rejected drafts leave nothing behind
+                accepted = len(result.token_ids) - 1
+                request.num_computed_tokens -= len(chunk.draft_token_ids) - accepted
+                self.kv_manager.rollback(request.request_id, request.num_computed_tokens)
+                assert self.spec is not None
+                self.spec.record(request.request_id, len(chunk.draft_token_ids), accepted)
             if request.first_token_time is None:
                 request.first_token_time = now
             previous_text = request.output_text
-            self._check_stop(request, token)
-            if request.finished:
-                request.finish_time = now
-                self.requests.pop(request.request_id, None)
-            outputs.append(self._output(request, [token], previous_text))
+            new_tokens = []
+            for j, token in enumerate(result.token_ids):
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                if result.logprobs is not None and request.params.logprobs is not None:
+                    request.output_logprobs.append(result.logprobs[j])
+                    if result.top_logprobs is not None:
+                        request.output_top_logprobs.append(result.top_logprobs[j])
+                self._check_stop(request, token)
+                if request.finished:  # tokens after a stop are dropped
+                    request.finish_time = now
+                    self.requests.pop(request.request_id, None)
+                    break
+            outputs.append(self._output(request, new_tokens, previous_text))
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         return outputs
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -451,7 +478,12 @@ class LLMEngine:
         if reason is not None:
             if not incremental:
                 request.output_text = self._decode(request.output_token_ids)
-            self.scheduler.finish(request, reason)
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        if self.spec is not None:
+            self.spec.free(request.request_id)
 
     def _output(self, request: Request, new_tokens: list[int], previous_text: str) -> RequestOutput:
         text = request.output_text
@@ -488,6 +520,7 @@ class LLMEngine:
         stats.num_preemptions = self.num_preemptions
         stats.kv_cache_dtype = self.kv_cache_dtype
         stats.clip_ratio = self.clip_ratio()
+        stats.spec_decode = self.spec.snapshot() if self.spec is not None else None
         return stats
 
     def clip_ratio(self) -> float:

@@ -7,6 +7,7 @@ last token of chunks that complete their sequence.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, PagedKVCache, TailPlan
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling import SampleResult, TokenHistory, sample
 from kvserve.engine.scheduler import ScheduledChunk
+from kvserve.engine.spec_decode import verify
 from kvserve.model.attention import (
     AttentionGroup,
     AttentionMetadata,
@@ -128,27 +130,44 @@ class ModelRunner:
                           for name in TailPlan._fields))
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], SampleResult | None]:
-        """Run one step. Returns the chunks that sampled (in order) and their samples."""
+    def execute(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, SampleResult]]:
+        """Run one step. Returns each chunk that sampled (in batch order) with its tokens: one, or
+        for a chunk carrying drafts, the accepted drafts and the target's next token (verify)."""
         ordered, hidden = self.forward(chunks)
         logit_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
         row = 0
         for chunk in ordered:
             row += chunk.num_tokens
-            if chunk.completes_sequence:
-                logit_rows.append(row - 1)
+            if chunk.completes_sequence:  # the last real token, then every draft
+                logit_rows += range(row - 1 - len(chunk.draft_token_ids), row)
                 sampled.append(chunk)
         if not sampled:
-            return [], None
+            return []
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        params = [c.request.params for c in sampled]
-        generators = [c.request.generator for c in sampled]
         history = None
-        if any(p.logit_bias or p.penalized or p.min_tokens for p in params):
+        if any(c.request.params.logit_bias or c.request.params.penalized or c.request.params.min_tokens
+               for c in sampled):
             history = [TokenHistory(c.request.prompt_token_ids, c.request.output_token_ids,
                                     c.request.params.stop_ids(self.eos_token_ids)) for c in sampled]
-        return sampled, sample(logits, params, generators, history)
+        plain = [i for i, c in enumerate(sampled) if not c.draft_token_ids]
+        starts = list(itertools.accumulate((len(c.draft_token_ids) + 1 for c in sampled), initial=0))
+        results: list[SampleResult | None] = [None] * len(sampled)
+        if plain:
+            rows = [starts[i] for i in plain]
+            batch = sample(logits[rows] if len(rows) < len(logit_rows) else logits,
+                           [sampled[i].request.params for i in plain], [sampled[i].request.generator for i in plain],
+                           None if history is None else [history[i] for i in plain])
+            for j, i in enumerate(plain):
+                results[i] = SampleResult(batch.token_ids[j : j + 1],
+                                          None if batch.logprobs is None else batch.logprobs[j : j + 1],
+                                          None if batch.top_logprobs is None else batch.top_logprobs[j : j + 1])
+        for i, chunk in enumerate(sampled):
+            if chunk.draft_token_ids:
+                request = chunk.request
+                results[i] = verify(logits[starts[i] : starts[i + 1]], chunk.draft_token_ids,
+                                    request.params, request.generator, None if history is None else history[i])
+        return [(chunk, result) for chunk, result in zip(sampled, results, strict=True) if result is not None]
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
@@ -163,7 +182,7 @@ class ModelRunner:
         for chunk in ordered:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
-            input_ids += request.token_ids(start, end)
+            input_ids += request.token_ids(start, end - len(chunk.draft_token_ids)) + chunk.draft_token_ids
             positions += range(start, end)
         self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
         self.kv_cache.zero_tail_slots(self.kv.take_new_tail_slots())

@@ -41,6 +41,7 @@ class Request:
     finish_time: float | None = None
     output_text: str = ""
     stream: bool = False  # detokenize every step (for streaming) instead of once at the end
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
 
     @property
     def num_tokens(self) -> int:

@@ -131,7 +131,7 @@ class SampleResult:
     top_logprobs: list[dict[int, float]] | None
 
 
-def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p masks (rows that do not ask are untouched)."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temps[:, None]
@@ -170,19 +170,32 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        filtered = _filter_logits(logits[rows], [params[i] for i in random_rows])
+        filtered = filter_logits(logits[rows], [params[i] for i in random_rows])
         probs = filtered.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for j, i in enumerate(random_rows):
             gen = generators[i]
             if gen is not None:
-                noise[j] = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(generator=gen).to(probs.device)
+                noise[j] = exponential_noise(probs.shape[-1], probs, gen)
         tokens[rows] = (probs / noise).argmax(dim=-1)
-    want = [p.logprobs is not None for p in params]
-    if not any(want):
-        return SampleResult(tokens.tolist(), None, None)
+    return with_logprobs(raw, tokens.tolist(), params)
+
+
+def exponential_noise(size: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise for the exponential race (argmax of p / noise draws from p), from
+    ``generator`` when the request is seeded."""
+    if generator is None:
+        return torch.empty(size, dtype=like.dtype, device=like.device).exponential_()
+    return torch.empty(size, dtype=like.dtype).exponential_(generator=generator).to(like.device)
+
+
+def with_logprobs(raw: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> SampleResult:
+    """The chosen tokens with their log-probabilities under ``raw`` (one row each) and the top-n
+    each row's request asks for."""
+    if not any(p.logprobs is not None for p in params):
+        return SampleResult(tokens, None, None)
     logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
     top: list[dict[int, float]] = []
     for i, p in enumerate(params):
         n = p.logprobs or 0
@@ -191,4 +204,4 @@ def sample(
             top.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
         else:
             top.append({})
-    return SampleResult(tokens.tolist(), chosen, top)
+    return SampleResult(tokens, chosen, top)

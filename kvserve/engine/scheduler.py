@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
@@ -25,12 +25,14 @@ from kvserve.engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledChunk:
     request: Request
-    num_tokens: int  # tokens computed for this request this step
+    num_tokens: int  # tokens computed for this request this step (drafts included)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens verified after the real ones
 
     @property
     def completes_sequence(self) -> bool:
         """True if after this step every known token is in the cache, so we sample."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        real = self.num_tokens - len(self.draft_token_ids)
+        return self.request.num_computed_tokens + real == self.request.num_tokens
 
 
 class SchedulerOutput(NamedTuple):
@@ -69,9 +71,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def _allocate(self, request: Request, num_tokens: int, drafts: list[int]) -> bool:
+        """Slots for ``num_tokens`` more of the request's tokens and, as lookahead (reserved now,
+        so verification never fails to allocate; never published), its drafts."""
+        return self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_tokens + len(drafts),
+                                      request.token_ids, num_lookahead_tokens=len(drafts))
+
     def _preempt_newest(self) -> Request:
         victim = self.running.pop()
         victim.num_preemptions += 1
+        victim.spec_token_ids = []  # its drafts are dropped: it proposes again when it decodes again
         if self.preemption_mode == "swap" and self.kv.swap_out(victim.request_id):
             victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens: nothing is recomputed
             self.swapped.append(victim)
@@ -111,13 +120,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n, request.token_ids):
+            # a decoding request verifies its drafts in the same chunk, as far as the budget goes
+            drafts = request.spec_token_ids[: budget - n] if n == 1 else []
+            request.spec_token_ids = []
+            while not self._allocate(request, n, drafts):
+                if drafts:  # rather than preempt anyone, decode without speculating
+                    drafts = []
+                    continue
                 victims.append(self._preempt_newest())
                 if victims[-1] is request:
                     break
             else:
-                chunks.append(ScheduledChunk(request, n))
-                budget -= n
+                chunks.append(ScheduledChunk(request, n + len(drafts), drafts))
+                budget -= n + len(drafts)
                 i += 1
                 continue
             break  # the request itself was preempted; everything after it is gone too

@@ -1,0 +1,220 @@
+"""Speculative decoding: a proposer drafts tokens, the target verifies them in one forward pass.
+
+A decoding request's drafts ride in its next chunk after its last real token (the scheduler
+reserves their slots as lookahead). The target's logits at each of those positions decide how
+many drafts stand (``verify``): greedy rows keep the longest prefix equal to the target's
+argmax, sampled rows use rejection sampling, so their tokens follow the target's distribution
+exactly; either way one more token comes from the target (the correction at the first
+rejected draft, or the bonus after the last). The rejected drafts' KV slots are then forgotten
+(``KVCacheManager.rollback``). Proposals are deterministic (an n-gram lookup, or a draft
+model's argmax): a draft x has q(x) = 1, so it is accepted with probability p(x) and a rejection
+resamples from p with x removed (Leviathan et al. 2023, Chen et al. 2023).
+
+``SpecDecoder`` decides per step and per request how many tokens to draft: none when more
+requests decode than ``disable_by_batch_size``, otherwise k maximizing the expected tokens per
+unit of step cost for the request's measured acceptance rate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvserve.cache.kv_stats import KVCacheStats, SpecDecodeStats
+from kvserve.config import SpeculativeConfig
+from kvserve.engine.request import Request
+from kvserve.engine.sampling import (
+    SampleResult,
+    SamplingParams,
+    TokenHistory,
+    exponential_noise,
+    filter_logits,
+    process_logits,
+    with_logprobs,
+)
+
+
+def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, for the longest n in [n_min, n_max] that occurs; else none."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    length = len(seq)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)  # the suffix itself excluded
+        hits = np.flatnonzero((windows == seq[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []
+
+
+def verify(raw: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None,
+           history: TokenHistory | None) -> SampleResult:
+    """The tokens a verify chunk yields: accepted drafts, then the target's own next token.
+
+    ``raw``: the target's logits at the chunk's last real token and at each draft
+    ([len(drafts) + 1, vocab]); row i predicts the token after drafts[:i]. ``history`` (for
+    penalties, logit_bias, min_tokens) is the request's before this step; row i sees the drafts
+    before it as output."""
+    k = len(drafts)
+    rows = [params] * (k + 1)
+    logits = raw
+    if history is not None:
+        logits = process_logits(raw, rows, [TokenHistory(history.prompt, history.output + drafts[:i],
+                                                         history.stop_ids) for i in range(k + 1)])
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, target, strict=False)) if d != t), k)
+        tokens = [*drafts[:accepted], target[accepted]]
+    else:
+        probs = filter_logits(logits, rows).softmax(dim=-1)
+        tokens = []
+        for i, draft in enumerate(drafts):
+            if float(torch.rand((), generator=generator)) < float(probs[i, draft]):
+                tokens.append(draft)  # accepted with probability p(draft): q is 1 at the draft
+                continue
+            residual = probs[i].clone()  # max(0, p - q), normalized: p without the draft
+            residual[draft] = 0.0
+            if float(residual.sum()) <= 0.0:
+                residual = probs[i]
+            tokens.append(_draw(residual, generator))
+            break
+        else:
+            tokens.append(_draw(probs[k], generator))  # every draft stood: the bonus token
+    return with_logprobs(raw[: len(tokens)], tokens, [params] * len(tokens))
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from (unnormalized) ``probs`` by the exponential race."""
+    return int((probs / exponential_noise(probs.shape[-1], probs, generator)).argmax())
+
+
+def best_num_drafts(acceptance: float, max_drafts: int, draft_token_cost: float) -> int:
+    """k in [0, max_drafts] maximizing expected tokens per step, (1 - a^(k+1)) / (1 - a) for a
+    per-token acceptance rate a, divided by the step's cost, 1 + draft_token_cost x k."""
+    best, best_value = 0, 1.0
+    for k in range(1, max_drafts + 1):
+        expected = k + 1.0 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+        value = expected / (1.0 + draft_token_cost * k)
+        if value > best_value + 1e-9:
+            best, best_value = k, value
+    return best
+
+
+class Proposer(ABC):
+    """Drafts tokens for decoding requests. Proposals must be deterministic functions of the
+    request's tokens (``verify`` treats each draft as certain)."""
+
+    @abstractmethod
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+        """Up to num_drafts[i] tokens to follow requests[i]'s tokens (fewer, or none, is fine)."""
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """The request finished or was preempted: drop what the proposer keeps for it."""
+
+    def kv_stats(self) -> KVCacheStats | None:
+        """The proposer's own KV pool, if it has one."""
+        return None
+
+
+class NgramProposer(Proposer):
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+        return [ngram_propose(r.prompt_token_ids + r.output_token_ids, k, self.n_min, self.n_max)
+                for r, k in zip(requests, num_drafts, strict=True)]
+
+    def free(self, request_id: str) -> None:
+        """Nothing to drop: the lookup reads the request's own tokens."""
+
+
+# a request's acceptance estimate starts at PRIOR_ACCEPTANCE with PRIOR_WEIGHT observations' worth
+# of evidence; evidence decays by ACCEPTANCE_DECAY per verify step, and by it towards the prior per
+# step spent without drafting, so a request that stopped drafting tries again later
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ACCEPTANCE_DECAY = 0.5, 2.0, 0.9
+
+
+class SpecDecoder:
+    """Per step: who drafts, how many tokens, and the counters (SpecDecodeStats)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, block_size: int, tail_blocks: bool,
+                 max_model_len: int) -> None:
+        """``tail_blocks``: the pool quantizes a block in the step that fills it (int4, per-block
+        int8), so drafts must stop before a block's last slot: a quantized block could not take
+        back a rejected token (with block_size 1 a block holds one token and is freed whole)."""
+        self.config = config
+        self.proposer = proposer
+        self.block_size = block_size
+        self.stop_before_block_end = tail_blocks and block_size > 1
+        self.max_model_len = max_model_len
+        self.evidence: dict[str, list[float]] = {}  # request id -> [accepted, rejected] (decayed counts)
+        self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens,
+                                     accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def _evidence(self, request_id: str) -> list[float]:
+        return self.evidence.setdefault(request_id, [PRIOR_ACCEPTANCE * PRIOR_WEIGHT,
+                                                     (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT])
+
+    def max_drafts(self, request: Request) -> int:
+        """The most drafts worth proposing now: what its acceptance rate pays for, within
+        max_tokens, max_model_len and (tail-block pools) the current block."""
+        accepted, rejected = self._evidence(request.request_id)
+        k = best_num_drafts(accepted / (accepted + rejected), self.config.num_speculative_tokens,
+                            self.config.draft_token_cost)
+        k = min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
+                self.max_model_len - request.num_tokens - 1)
+        if self.stop_before_block_end:
+            k = min(k, self.block_size - 1 - request.num_tokens % self.block_size)
+        return max(k, 0)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set spec_token_ids of the running requests that decode next step."""
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
+            return
+        limit = self.config.disable_by_batch_size
+        if limit and len(decoding) > limit:
+            self.stats.num_disabled_steps += 1
+            return
+        chosen: list[tuple[Request, int]] = []
+        for request in decoding:
+            k = self.max_drafts(request)
+            if k > 0:
+                chosen.append((request, k))
+            else:  # no drafting this step: the evidence drifts back towards the prior
+                evidence = self._evidence(request.request_id)
+                for i, prior in enumerate((PRIOR_ACCEPTANCE, 1 - PRIOR_ACCEPTANCE)):
+                    evidence[i] = ACCEPTANCE_DECAY * evidence[i] + (1 - ACCEPTANCE_DECAY) * prior * PRIOR_WEIGHT
+        if not chosen:
+            return
+        drafts = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
+        for (request, k), tokens in zip(chosen, drafts, strict=True):
+            request.spec_token_ids = tokens[:k]
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Count one verify step of a request and update its acceptance estimate."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        stats.num_bonus_tokens += num_accepted == num_drafts
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+        evidence = self._evidence(request_id)
+        evidence[0] = ACCEPTANCE_DECAY * evidence[0] + num_accepted
+        evidence[1] = ACCEPTANCE_DECAY * evidence[1] + (num_accepted < num_drafts)
+
+    def free(self, request_id: str) -> None:
+        self.evidence.pop(request_id, None)
+        self.proposer.free(request_id)
+
+    def snapshot(self) -> SpecDecodeStats:
+        stats = self.stats
+        return SpecDecodeStats(stats.method, stats.num_speculative_tokens, stats.num_drafts, stats.num_draft_tokens,
+                               stats.num_accepted_tokens, stats.num_bonus_tokens,
+                               list(stats.accepted_per_position), stats.num_disabled_steps, self.proposer.kv_stats())

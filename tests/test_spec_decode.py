@@ -1,0 +1,237 @@
+"""Speculative decoding: proposers, verification (greedy and rejection sampling), KV rollback."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.spec_decode import best_num_drafts, ngram_propose, verify
+from tests.test_cache_invariants import check_manager
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def weak(tiny_model_factory: Callable[..., Path]) -> Path:
+    """A tiny llama whose attention barely matters: greedy output falls into loops that an
+    n-gram proposer predicts often but not always (about half its drafts stand)."""
+    return tiny_model_factory("llama", o_proj_scale=0.01)
+
+
+def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(256) for _ in range(12 + 3 * i)] for i in range(n)]
+
+
+def run(model: Path, spec: dict[str, Any] | None, prompts_: list[list[int]], params: SamplingParams = GREEDY,
+        check: bool = False, **kwargs: Any) -> tuple[list[list[int]], LLM]:
+    """Every prompt's output tokens; ``check``: the manager's invariants after every step."""
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=kwargs.pop("kv_cache_memory", "4MiB"),
+              speculative_config=spec, **kwargs)
+    engine = llm.engine
+    for p in prompts_:
+        engine.add_request(p, params)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        if check:
+            check_manager(engine.kv_manager)
+    assert engine.kv_manager.pool.num_used_blocks == 0, "blocks leaked"
+    return [outputs[f"req-{i}"] for i in range(len(prompts_))], llm
+
+
+def ngram(k: int, **extra: Any) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": k, "draft_token_cost": 0.0, **extra}
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_ngram_propose_takes_the_longest_latest_match() -> None:
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 1, 3) == [7, 8]  # latest "1 2 3"
+    assert ngram_propose([5, 6, 1, 2, 9, 9, 2], 3, 1, 3) == [9, 9, 2]  # only "2" occurs before: n = 1
+    assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
+    assert ngram_propose([4, 4, 4], 5, 2, 2) == [4]  # what follows runs up to the end
+
+
+def test_best_num_drafts() -> None:
+    assert best_num_drafts(0.9, 7, 0.0) == 7
+    assert best_num_drafts(0.02, 7, 0.1) == 0  # rarely accepted: drafting does not pay
+    ks = [best_num_drafts(a / 10, 7, 0.1) for a in range(10)]
+    assert ks == sorted(ks) and ks[-1] > 2  # more drafts as acceptance grows
+
+
+def test_bad_speculative_config_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ConfigError, match="unknown key 'n'"):
+        EngineConfig(speculative_config='{"n": 3}')
+    with pytest.raises(ConfigError, match="method"):
+        EngineConfig(speculative_config={"method": "medusa"})
+
+
+def test_lookahead_is_never_published_and_rollback_frees_rejected_blocks() -> None:
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    tokens = list(range(100))
+
+    def reader(start: int, end: int) -> list[int]:
+        return tokens[start:end]
+
+    assert kv.allocate_slots("a", 6, reader)  # 6 real tokens: block 0 is full and published
+    assert kv.allocate_slots("a", 6 + 7, reader, num_lookahead_tokens=7)  # 7 drafts on 6 tokens: 4 blocks
+    assert len(kv.block_tables["a"][0]) == 4 and kv.num_published["a"] == 1
+    check_manager(kv)
+    kv.rollback("a", 7)  # one draft stood: blocks 2 and 3 held only rejected drafts
+    assert len(kv.block_tables["a"][0]) == 2 and kv.num_tokens["a"] == 7
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks - 2
+    check_manager(kv)
+    kv.free("a")
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_verify_greedy_keeps_the_matching_prefix_and_one_more() -> None:
+    logits = torch.full((4, 10), -5.0)
+    for row, best in enumerate([3, 4, 7, 1]):
+        logits[row, best] = 5.0
+    params = SamplingParams(temperature=0.0)
+    assert verify(logits, [3, 4, 5], params, None, None).token_ids == [3, 4, 7]  # third draft rejected
+    assert verify(logits, [3, 4, 7], params, None, None).token_ids == [3, 4, 7, 1]  # all stand: bonus
+    assert verify(logits, [9, 4, 7], params, None, None).token_ids == [3]
+
+
+# ---------------------------------------------------------------- greedy equality
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+def test_greedy_output_is_unchanged(weak: Path, block_size: int, kv_dtype: str) -> None:
+    """For k = 1, 3 and 7, speculation changes nothing in greedy output (fp32), on every KV
+    format; the quantized formats with tail blocks included. Drafts are both accepted and
+    rejected, so rollback runs; the manager's invariants hold after every step."""
+    base, _ = run(weak, None, prompts(), block_size=block_size, kv_cache_dtype=kv_dtype)
+    for k in (1, 3, 7):
+        outs, llm = run(weak, ngram(k), prompts(), block_size=block_size, kv_cache_dtype=kv_dtype, check=True)
+        assert outs == base, f"k={k}"
+        stats = llm.kv_stats().spec_decode
+        assert stats is not None and stats.num_drafts > 10
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes happened
+
+
+def test_prefix_hits_never_see_rejected_drafts(weak: Path) -> None:
+    """Second-round prompts extend first-round prompts by their outputs, so they hit blocks
+    that held rejected drafts' K/V before; their outputs equal a run without speculation."""
+    first = prompts(4)
+    base_first, _ = run(weak, None, first)
+    second = [p + out for p, out in zip(first, base_first, strict=True)]
+    llm = LLM(str(weak), dtype="float32", kv_cache_memory="4MiB", speculative_config=ngram(3), block_size=4)
+    plain = LLM(str(weak), dtype="float32", kv_cache_memory="4MiB", block_size=4)
+    for engine_llm in (llm, plain):
+        assert [o.token_ids for o in engine_llm.generate(first, GREEDY)] == base_first
+    got = [o.token_ids for o in llm.generate(second, GREEDY)]
+    assert got == [o.token_ids for o in plain.generate(second, GREEDY)]
+    assert llm.kv_stats().prefix_cache.hits > 0 and llm.kv_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_preemption_mid_speculation_loses_nothing(weak: Path) -> None:
+    """A pool too small for the batch: requests are preempted while they speculate."""
+    many = prompts(8)
+    base, _ = run(weak, None, many, kv_cache_memory="4MiB")
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # layers x (K, V) x KV heads x head_dim x fp32 x block_size
+    outs, llm = run(weak, ngram(4), many, check=True, kv_cache_memory=24 * block_bytes)
+    stats = llm.kv_stats()
+    assert outs == base
+    assert stats.num_preemptions > 0 and stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_disable_by_batch_size(weak: Path) -> None:
+    outs, llm = run(weak, ngram(3, disable_by_batch_size=2), prompts(6))
+    stats = llm.kv_stats().spec_decode
+    assert stats is not None and stats.num_disabled_steps > 0
+    assert outs == run(weak, None, prompts(6))[0]
+
+
+# ---------------------------------------------------------------- sampled output keeps the target's distribution
+
+
+CHI2_999 = {3: 16.27, 7: 24.32}  # chi-square quantiles at p = 0.999 by degrees of freedom
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_verify_sampling_follows_the_target() -> None:
+    """One draft token over a fixed 4-token target: whatever the draft, accepted or not, the
+    token that comes out follows the target distribution; the bonus after an accepted draft too."""
+    target = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = target.log().repeat(2, 1)  # the next token after the draft has the same distribution
+    params = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    for draft in (0, 3):
+        firsts, bonuses = torch.zeros(4), torch.zeros(4)
+        for _ in range(4000):
+            tokens = verify(logits, [draft], params, generator, None).token_ids
+            firsts[tokens[0]] += 1
+            if len(tokens) == 2:
+                bonuses[tokens[1]] += 1
+        assert chi_square(firsts, target) < CHI2_999[3], f"draft {draft}: {firsts.tolist()}"
+        assert chi_square(bonuses, target) < CHI2_999[3]
+        assert abs(firsts[draft] / 4000 - target[draft]) < 0.03  # acceptance rate = p(draft)
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tiny_model_factory: Callable[..., Path]) -> None:
+    """Through the engine: the second and third sampled tokens' distributions, with and without
+    speculation, against their exact marginals computed from the model (vocab 8). The prompt
+    holds every token, so the n-gram proposer drafts after every first token."""
+    model = tiny_model_factory("llama", vocab_size=8, o_proj_scale=0.01)
+    prompt = list(range(8)) * 2
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory="4MiB"))
+    second = torch.zeros(8, dtype=torch.float64)
+    third = torch.zeros(8, dtype=torch.float64)
+    first = _next_probs(engine, prompt)
+    for a in range(8):
+        after_a = _next_probs(engine, [*prompt, a])
+        second += first[a] * after_a
+        for b in range(8):
+            third += first[a] * after_a[b] * _next_probs(engine, [*prompt, a, b])
+    n = 3000
+    for spec in (None, ngram(2, disable_by_batch_size=0)):
+        llm = LLM(str(model), dtype="float32", kv_cache_memory="8MiB", max_num_seqs=256, speculative_config=spec)
+        outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s)
+                                           for s in range(n)])
+        for index, exact in ((1, second), (2, third)):
+            counts = torch.bincount(torch.tensor([o.token_ids[index] for o in outs]), minlength=8).double()
+            chi2 = chi_square(counts, exact)
+            assert chi2 < CHI2_999[7], f"spec={spec}, token {index}: chi-square {chi2:.1f}"
+        if spec is not None:
+            stats = llm.kv_stats().spec_decode
+            assert stats is not None and stats.num_drafts > n // 2
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def _next_probs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
+    request = engine.add_request(tokens, SamplingParams(max_tokens=1, logprobs=8, temperature=0.0))
+    while not request.finished:
+        engine.step()
+    probs = torch.zeros(8, dtype=torch.float64)
+    for token, logprob in request.output_top_logprobs[0].items():
+        probs[token] = float(torch.tensor(logprob, dtype=torch.float64).exp())
+    return probs / probs.sum()
+
+
+def test_seeded_sampling_is_reproducible(weak: Path) -> None:
+    params = SamplingParams(temperature=0.8, max_tokens=32, seed=7, ignore_eos=True)
+    once, llm = run(weak, ngram(3), prompts(4), params)
+    assert once == run(weak, ngram(3), prompts(4), params)[0]
+    assert llm.kv_stats().spec_decode.num_accepted_tokens > 0  # type: ignore[union-attr]
