@@ -53,8 +53,9 @@ class SpeculativeConfig:
     # no drafts in a step where more requests than this decode (vLLM's name); 0 = never disable
     disable_by_batch_size: int = 8
     # adapt k per request from its measured acceptance: propose k maximizing expected tokens per
-    # unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps
-    draft_token_cost: float = 0.1
+    # unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps; None:
+    # VERIFY_TOKEN_COST plus, for a draft model, its size relative to the target's
+    draft_token_cost: float | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -88,8 +89,8 @@ class SpeculativeConfig:
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.method == "draft_model" and not self.model:
             raise ConfigError("speculative_config: method draft_model needs \"model\" (an alias, .gguf or HF folder)")
-        if isinstance(self.draft_token_cost, bool) or not isinstance(self.draft_token_cost, (int, float)) \
-                or not 0.0 <= self.draft_token_cost <= 10.0:
+        cost = self.draft_token_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 10):
             raise ConfigError(f"speculative_config: draft_token_cost must be a number in [0, 10], "
                               f"got {self.draft_token_cost!r}")
 

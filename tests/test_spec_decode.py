@@ -142,12 +142,14 @@ def test_prefix_hits_never_see_rejected_drafts(weak: Path) -> None:
     assert llm.kv_stats().prefix_cache.hits > 0 and llm.kv_stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_preemption_mid_speculation_loses_nothing(weak: Path) -> None:
-    """A pool too small for the batch: requests are preempted while they speculate."""
+@pytest.mark.parametrize("spec", [ngram(4), {"method": "layer_skip", "num_draft_layers": 1, "draft_token_cost": 0.0}])
+def test_preemption_mid_speculation_loses_nothing(weak: Path, spec: dict[str, Any]) -> None:
+    """A pool too small for the batch: requests are preempted while they speculate (and with a
+    draft model, its pool runs short too: those requests decode without drafts)."""
     many = prompts(8)
     base, _ = run(weak, None, many, kv_cache_memory="4MiB")
     block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # layers x (K, V) x KV heads x head_dim x fp32 x block_size
-    outs, llm = run(weak, ngram(4), many, check=True, kv_cache_memory=24 * block_bytes)
+    outs, llm = run(weak, spec, many, check=True, kv_cache_memory=int(24 * block_bytes * (1.5 if "num_draft_layers" in spec else 1)))
     stats = llm.kv_stats()
     assert outs == base
     assert stats.num_preemptions > 0 and stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
@@ -235,3 +237,42 @@ def test_seeded_sampling_is_reproducible(weak: Path) -> None:
     once, llm = run(weak, ngram(3), prompts(4), params)
     assert once == run(weak, ngram(3), prompts(4), params)[0]
     assert llm.kv_stats().spec_decode.num_accepted_tokens > 0  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------- draft models
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_draft_model_greedy_output_is_unchanged(weak: Path, tiny_model_factory: Callable[..., Path],
+                                                block_size: int) -> None:
+    """Draft models on their own KV pool: another model (1 layer, its own weights: its drafts are
+    all rejected), the target itself (all accepted), and the target's shallow exit (some
+    accepted). Greedy output equals the target's alone, for k = 1, 3 and 7."""
+    other = tiny_model_factory("llama", num_hidden_layers=1, o_proj_scale=0.01)
+    base, _ = run(weak, None, prompts(), block_size=block_size)
+    for spec in ({"method": "draft_model", "model": str(other)}, {"method": "draft_model", "model": str(weak)},
+                 {"method": "layer_skip", "num_draft_layers": 1}):
+        for k in (1, 3, 7):
+            outs, llm = run(weak, {**spec, "num_speculative_tokens": k, "draft_token_cost": 0.0}, prompts(),
+                            block_size=block_size, check=True)
+            assert outs == base, f"{spec} k={k}"
+            stats = llm.kv_stats().spec_decode
+            assert stats is not None and stats.draft_kv is not None and stats.num_draft_tokens > 50
+            if spec.get("model") == str(weak):
+                assert stats.acceptance_rate == 1.0
+            elif spec["method"] == "layer_skip":
+                assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+            assert stats.draft_kv.blocks_used == 0  # every request's draft KV was freed
+
+
+def test_draft_pool_shares_the_kv_budget(weak: Path, tiny_model_factory: Callable[..., Path]) -> None:
+    draft = tiny_model_factory("llama", num_hidden_layers=1, o_proj_scale=0.01)
+    alone = LLM(str(weak), dtype="float32", kv_cache_memory="4MiB").engine
+    both = LLM(str(weak), dtype="float32", kv_cache_memory="4MiB",
+               speculative_config={"method": "draft_model", "model": str(draft)}).engine
+    # the target's 2 layers and the draft's 1 split 4 MiB 2:1, so both hold the same tokens
+    assert both.num_blocks * 3 == pytest.approx(alone.num_blocks * 2, abs=3)
+    assert abs(both.draft_num_blocks - both.num_blocks) <= 1
+    with pytest.raises(ConfigError, match="num_draft_layers"):
+        LLM(str(weak), dtype="float32", kv_cache_memory="4MiB",
+            speculative_config={"method": "layer_skip", "num_draft_layers": 2})

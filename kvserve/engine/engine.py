@@ -37,11 +37,12 @@ from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.cache.kv_tiers import TierIndex
 from kvserve.config import ConfigError, EngineConfig, SpeculativeConfig, device_total_memory, format_bytes
 from kvserve.engine.activations import estimate_activation_bytes
+from kvserve.engine.draft import DraftModelProposer, shallow_exit
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
-from kvserve.engine.spec_decode import NgramProposer, SpecDecoder
+from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
@@ -84,6 +85,12 @@ def kv_cache_groups(config: ModelConfig, all_full: bool = False) -> list[KVCache
     if all_full or not config.layer_windows:
         return [KVCacheGroup(FULL_ATTENTION, tuple(range(config.num_layers)))]
     return group_layers([KVCacheSpec(window) for window in config.layer_windows])
+
+
+class DraftModel(NamedTuple):
+    model: LlamaForCausalLM  # a model of its own, or the target's shallow exit (weights shared)
+    weight_bytes: int  # what it adds to the target's weights
+    relative_cost: float  # one draft token's forward pass, in target decode steps (by weights or layers)
 
 
 class InvalidRequestError(ValueError):
@@ -144,6 +151,8 @@ class LLMEngine:
         # an aligned run of tail_blocks blocks (the planner counts the same, kv_sequence_extra_bytes)
         self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
         self.kv_tail_bytes = self.tail_blocks * self.kv_block_bytes
+        self.draft = self._draft_model()
+        self.draft_num_blocks = 0  # set by _size_pool when a draft model keeps its own KV pool
         self.num_blocks = self._size_pool()
         self.kv_cache = PagedKVCache(
             model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
@@ -172,17 +181,48 @@ class LLMEngine:
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.spec = self._spec_decoder()
 
+    def _draft_model(self) -> DraftModel | None:
+        """The model that drafts (speculative_config method draft_model or layer_skip)."""
+        spec = self.config.speculative_config
+        if not isinstance(spec, SpeculativeConfig) or spec.method == "ngram":
+            return None
+        target = self.model_config
+        if target.mla is not None:
+            raise ConfigError(f"speculative_config: method {spec.method} needs a model with K/V heads; "
+                              f"use method ngram with MLA models")
+        if spec.method == "layer_skip":
+            layers = spec.num_draft_layers or max(1, target.num_layers // 3)
+            if layers >= target.num_layers:
+                raise ConfigError(f"speculative_config: num_draft_layers={layers} must be fewer than the "
+                                  f"model's {target.num_layers} layers")
+            return DraftModel(shallow_exit(self.model, layers), 0, layers / target.num_layers)
+        assert spec.model is not None
+        loaded = load_model(spec.model, self.device, self.dtype)
+        draft_config = loaded.config
+        if draft_config.mla is not None:
+            raise ConfigError(f"speculative_config: draft model {spec.model} uses MLA; pick one with K/V heads")
+        if self.tokenizer is not None and loaded.tokenizer is not None and \
+                loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(f"speculative_config: draft model {spec.model} has another tokenizer than "
+                              f"{self.config.model}; a draft model must share the target's vocabulary")
+        return DraftModel(loaded.model, loaded.weight_bytes, loaded.weight_bytes / self.weight_bytes)
+
     def _spec_decoder(self) -> SpecDecoder | None:
         spec = self.config.speculative_config
         if spec is None:
             return None
         assert isinstance(spec, SpeculativeConfig)
-        if spec.method != "ngram":
-            raise ConfigError(f"speculative_config: method {spec.method} is not available yet")
-        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        proposer: Proposer
+        if self.draft is None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            proposer = DraftModelProposer(self.draft.model, self.draft_num_blocks, self.config.block_size,
+                                          self.device, self.config.max_num_batched_tokens,
+                                          self.model_config.vocab_size)
         logger.info("speculative decoding: %s, up to %d tokens per step, off above %s decoding requests",
                     spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size or "no limit of")
-        return SpecDecoder(spec, proposer, self.config.block_size, self.kv_cache.uses_tail, self.max_model_len)
+        return SpecDecoder(spec, proposer, self.config.block_size, self.kv_cache.uses_tail, self.max_model_len,
+                           self.draft.relative_cost if self.draft is not None else 0.0)
 
     # ------------------------------------------------------------------ start-up sizing
 
@@ -249,11 +289,14 @@ class LLMEngine:
             else:
                 total = device_total_memory(str(self.device))[0]
             activations = self._activation_peak()
-            budget = int(total * cfg.gpu_memory_utilization) - self.weight_bytes - activations
+            weights = self.weight_bytes + (self.draft.weight_bytes if self.draft is not None else 0)
+            budget = int(total * cfg.gpu_memory_utilization) - weights - activations
             source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {format_bytes(total)} "
-                      f"- weights {format_bytes(self.weight_bytes)} - activations {format_bytes(activations)}")
+                      f"- weights {format_bytes(weights)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
+        if self.draft is not None:
+            budget -= self._draft_pool(budget)
         num_blocks = num_blocks_for_budget(budget, block_bytes)
         # the null block and one block of tokens, or with tails a run aligned past the null block's
         needed = (len(self.kv_groups) + 1) * self.tail_blocks or 2
@@ -286,6 +329,23 @@ class LLMEngine:
                         "static per layer" if self.kv_cache_dtype.startswith("fp8") else
                         "static, calibrated" if self.kv_quant.key_scales is not None else "per block")
         return num_blocks
+
+    def _draft_pool(self, budget: int) -> int:
+        """Size the draft model's own KV pool from the KV budget, so that it holds as many tokens
+        as the target's; returns the bytes it takes."""
+        assert self.draft is not None
+        config = self.draft.model.config
+        block_bytes = kv_block_bytes(KVLayout.standard(config.num_kv_heads, config.head_dim), config.num_layers,
+                                     float_kind(self.dtype), self.config.block_size)
+        per_token = block_bytes / self.config.block_size
+        share = int(budget * per_token / (per_token + self.kv_bytes_per_token))
+        self.draft_num_blocks = num_blocks_for_budget(share, block_bytes)
+        if self.draft_num_blocks < 2:
+            raise ConfigError(f"the KV budget {format_bytes(budget)} leaves the draft model less than one block")
+        logger.info("draft model KV cache: %d blocks x %d tokens, %s of the KV budget (%d B/token)",
+                    self.draft_num_blocks - 1, self.config.block_size,
+                    format_bytes(self.draft_num_blocks * block_bytes), int(per_token))
+        return self.draft_num_blocks * block_bytes
 
     def _host_tier(self) -> TierIndex | None:
         """Tier 1 in host memory (--kv-offload-memory), sized in whole pool blocks."""

@@ -133,21 +133,28 @@ class NgramProposer(Proposer):
         """Nothing to drop: the lookup reads the request's own tokens."""
 
 
+# verifying one more token in a decode step, in decode steps (measured: benchmarks/spec_decode.py)
+VERIFY_TOKEN_COST = 0.1
 # a request's acceptance estimate starts at PRIOR_ACCEPTANCE with PRIOR_WEIGHT observations' worth
-# of evidence; evidence decays by ACCEPTANCE_DECAY per verify step, and by it towards the prior per
-# step spent without drafting, so a request that stopped drafting tries again later
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ACCEPTANCE_DECAY = 0.5, 2.0, 0.9
+# of evidence; evidence decays by ACCEPTANCE_DECAY per verify step, and by RETRY_DECAY towards the
+# prior per step spent without drafting, so a request that stopped drafting tries again later
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ACCEPTANCE_DECAY, RETRY_DECAY = 0.5, 2.0, 0.9, 0.98
 
 
 class SpecDecoder:
     """Per step: who drafts, how many tokens, and the counters (SpecDecodeStats)."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, block_size: int, tail_blocks: bool,
-                 max_model_len: int) -> None:
+                 max_model_len: int, proposal_cost: float = 0.0) -> None:
         """``tail_blocks``: the pool quantizes a block in the step that fills it (int4, per-block
         int8), so drafts must stop before a block's last slot: a quantized block could not take
-        back a rejected token (with block_size 1 a block holds one token and is freed whole)."""
+        back a rejected token (with block_size 1 a block holds one token and is freed whole).
+        ``proposal_cost``: what drafting one token costs, in target decode steps (a draft
+        model's size relative to the target's): with verification's, the cost of a draft token
+        unless config.draft_token_cost says otherwise."""
         self.config = config
+        given = config.draft_token_cost
+        self.token_cost = given if given is not None else VERIFY_TOKEN_COST + proposal_cost
         self.proposer = proposer
         self.block_size = block_size
         self.stop_before_block_end = tail_blocks and block_size > 1
@@ -164,8 +171,7 @@ class SpecDecoder:
         """The most drafts worth proposing now: what its acceptance rate pays for, within
         max_tokens, max_model_len and (tail-block pools) the current block."""
         accepted, rejected = self._evidence(request.request_id)
-        k = best_num_drafts(accepted / (accepted + rejected), self.config.num_speculative_tokens,
-                            self.config.draft_token_cost)
+        k = best_num_drafts(accepted / (accepted + rejected), self.config.num_speculative_tokens, self.token_cost)
         k = min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
                 self.max_model_len - request.num_tokens - 1)
         if self.stop_before_block_end:
@@ -189,7 +195,7 @@ class SpecDecoder:
             else:  # no drafting this step: the evidence drifts back towards the prior
                 evidence = self._evidence(request.request_id)
                 for i, prior in enumerate((PRIOR_ACCEPTANCE, 1 - PRIOR_ACCEPTANCE)):
-                    evidence[i] = ACCEPTANCE_DECAY * evidence[i] + (1 - ACCEPTANCE_DECAY) * prior * PRIOR_WEIGHT
+                    evidence[i] = RETRY_DECAY * evidence[i] + (1 - RETRY_DECAY) * prior * PRIOR_WEIGHT
         if not chosen:
             return
         drafts = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
