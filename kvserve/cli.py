@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admission order: arrival, or longest cached prefix first (bounded wait)")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for every layer: sliding-window layers keep every block too")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)')
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                    help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
@@ -71,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
+        "speculative_config": args.speculative_config,
     }
 
 

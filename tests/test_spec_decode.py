@@ -7,13 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import ConfigError, EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.engine.engine import LLMEngine, LoadedModel
 from kvserve.engine.spec_decode import best_num_drafts, ngram_propose, verify
 from tests.test_cache_invariants import check_manager
 
@@ -149,7 +150,8 @@ def test_preemption_mid_speculation_loses_nothing(weak: Path, spec: dict[str, An
     many = prompts(8)
     base, _ = run(weak, None, many, kv_cache_memory="4MiB")
     block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # layers x (K, V) x KV heads x head_dim x fp32 x block_size
-    outs, llm = run(weak, spec, many, check=True, kv_cache_memory=int(24 * block_bytes * (1.5 if "num_draft_layers" in spec else 1)))
+    blocks = 36 if "num_draft_layers" in spec else 24  # a draft model takes a third of the budget
+    outs, llm = run(weak, spec, many, check=True, kv_cache_memory=blocks * block_bytes)
     stats = llm.kv_stats()
     assert outs == base
     assert stats.num_preemptions > 0 and stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
@@ -276,3 +278,47 @@ def test_draft_pool_shares_the_kv_budget(weak: Path, tiny_model_factory: Callabl
     with pytest.raises(ConfigError, match="num_draft_layers"):
         LLM(str(weak), dtype="float32", kv_cache_memory="4MiB",
             speculative_config={"method": "layer_skip", "num_draft_layers": 2})
+
+
+# ---------------------------------------------------------------- the real model, through the server
+
+COPY_TEXT = ("The paged KV cache splits each sequence's keys and values into fixed-size blocks. A block table "
+             "maps logical positions to physical blocks, so memory is allocated on demand and reclaimed as soon as "
+             "a request finishes.")
+
+
+def test_server_speculates_on_the_real_model(smollm: LoadedModel) -> None:
+    """SmolLM2 asked to repeat a text, through the official client, streamed and not, with ngram
+    speculation: the same greedy text as without speculation, most drafts accepted, and the
+    counters in /metrics and /v1/kv."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.server.app import ServerConfig
+    from kvserve.server.serve import build
+    from tests.conftest import serve_in_thread
+
+    messages = [{"role": "user", "content": "Repeat the following text exactly:\n\n" + COPY_TEXT}]
+    plain = LLM("smollm2-135m", loaded=smollm, kv_cache_memory="64MiB")
+    expected = plain.generate([plain.apply_chat_template(messages)], SamplingParams(temperature=0, max_tokens=60))
+    config = EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB",
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    engine, app = build(config, ServerConfig(model_name="smollm2-135m"), loaded=smollm)
+    base, stop = serve_in_thread(app)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        whole = client.chat.completions.create(model="smollm2-135m", messages=messages,  # type: ignore[arg-type]
+                                               max_tokens=60, temperature=0)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=60, temperature=0, stream=True)  # type: ignore[arg-type]
+            if chunk.choices)
+        assert whole.choices[0].message.content == streamed == expected[0].text
+        samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(base + "/metrics").text)
+                   for s in f.samples if not s.labels}
+        kv = httpx.get(base + "/v1/kv").json()["spec_decode"]
+        assert kv["num_accepted_tokens"] == samples["kvserve:spec_decode_num_accepted_tokens_total"] > 0
+        assert kv["num_draft_tokens"] == samples["kvserve:spec_decode_num_draft_tokens_total"]
+        assert kv["acceptance_rate"] > 0.5 and kv["mean_accepted_length"] > 2
+    finally:
+        stop()
+        engine.shutdown()

@@ -22,6 +22,9 @@ _PREEMPT = ("kvserve:num_preemptions_total", "vllm:num_preemptions_total")
 _HITS = ("kvserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 _TIER_HITS = ("kvserve:kv_tier_hits_total",)  # summed over tiers
 _QUERIES = ("kvserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
+_DRAFTS = ("kvserve:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total")
+_DRAFT_TOKENS = ("kvserve:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total")
+_ACCEPTED = ("kvserve:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
 
 
 @dataclass(slots=True)
@@ -104,6 +107,8 @@ class ServerTrace:
     preemptions: float = 0.0
     prefix_hit_rate: float | None = None
     tier_hits: float | None = None  # prefix blocks promoted from KV tiers below the pool (kvserve)
+    spec_acceptance: float | None = None  # speculative decoding: accepted / proposed draft tokens
+    spec_accepted_length: float | None = None  # tokens per verify step (accepted drafts + 1)
     kv_snapshot_at_peak: dict[str, Any] | None = None  # kvserve's /v1/kv when usage peaked
 
 
@@ -140,6 +145,14 @@ async def _watch(client: httpx.AsyncClient, base_url: str, headers: dict[str, st
         trace.prefix_hit_rate = hits / queries if queries > 0 else None
         tier_end = first(end, _TIER_HITS)
         trace.tier_hits = None if tier_end is None else tier_end - (first(begin, _TIER_HITS) or 0.0)
+
+        def delta(names: tuple[str, ...]) -> float:
+            return (first(end, names) or 0.0) - (first(begin, names) or 0.0)
+
+        drafts, proposed, accepted = delta(_DRAFTS), delta(_DRAFT_TOKENS), delta(_ACCEPTED)
+        if proposed > 0:
+            trace.spec_acceptance = accepted / proposed
+            trace.spec_accepted_length = 1 + accepted / drafts if drafts > 0 else None
 
 
 async def run_level(base_url: str, model: str, samples: list[Sample], concurrency: int | None = None,

@@ -59,6 +59,7 @@ def level_stats(level: float, results: list[RequestResult], wall: float, trace: 
         "itl_s": percentiles([gap for r in ok for gap in r.itl]), "e2e_s": percentiles([r.e2e for r in ok]),
         "peak_kv_usage": trace.peak_kv_usage, "peak_rss_bytes": trace.peak_rss_bytes,
         "preemptions": trace.preemptions, "prefix_hit_rate": trace.prefix_hit_rate, "tier_hits": trace.tier_hits,
+        "spec_acceptance": trace.spec_acceptance, "spec_accepted_length": trace.spec_accepted_length,
         "kv_snapshot_at_peak": trace.kv_snapshot_at_peak,
         "requests_detail": [{"ok": r.ok, "ttft": r.ttft, "e2e": r.e2e, "prompt_tokens": r.prompt_tokens,
                              "output_tokens": r.output_tokens} for r in results],
@@ -191,11 +192,18 @@ def report_markdown(runs: list[dict[str, Any]], names: list[str], plots: list[Pa
                  if knee["level"] is not None else "No knee in this sweep: ")
         lines += [where + knee["reason"] + ". " + run["diagnosis"].capitalize() + ".", ""]
         tiers = any(lv.get("tier_hits") is not None for lv in run["levels"])  # a kvserve server with KV tiers
+        spec = any(lv.get("spec_acceptance") is not None for lv in run["levels"])  # speculative decoding on
         lines += [f"| {run['mode']} | req/s | output tok/s | goodput | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | "
-                  "E2E p99 (s) | peak KV | preemptions | " + ("KV tier hits (blocks) | " if tiers else "") + "errors |",
-                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "") + "---|"]
+                  "E2E p99 (s) | peak KV | preemptions | " + ("KV tier hits (blocks) | " if tiers else "")
+                  + ("draft acceptance | accepted length | " if spec else "") + "errors |",
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if tiers else "") + ("---|---|" if spec else "")
+                  + "---|"]
         for lv in run["levels"]:
             tier_cell = f"{lv['tier_hits'] or 0:g} | " if tiers else ""
+            if spec:
+                rate, length = lv.get("spec_acceptance"), lv.get("spec_accepted_length")
+                tier_cell += ("- | - | " if rate is None else
+                              f"{100 * rate:.0f}% | " + ("- | " if length is None else f"{length:.2f} | "))
             lines.append(
                 f"| {lv['level']:g} | {lv['request_throughput']:.2f} | {lv['output_throughput']:.1f} | "
                 f"{lv['goodput']:.2f} | {lv['ttft_s']['p50']:.2f} / {lv['ttft_s']['p99']:.2f} | "

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvserve.cache.kv_stats import SpecDecodeStats
 from kvserve.engine.engine import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
@@ -89,6 +90,20 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         message = f"{param}: {message} (got {shown})"
     return APIError(400, message, param=param)
+
+
+def _spec_decode_json(stats: SpecDecodeStats | None) -> dict[str, Any] | None:
+    """/v1/kv's speculative decoding figures (null when speculation is off)."""
+    if stats is None:
+        return None
+    draft = stats.draft_kv
+    return {"method": stats.method, "num_speculative_tokens": stats.num_speculative_tokens,
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens, "num_bonus_tokens": stats.num_bonus_tokens,
+            "accepted_per_position": stats.accepted_per_position, "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length, "num_disabled_steps": stats.num_disabled_steps,
+            "draft_kv": None if draft is None else {"num_blocks": draft.num_blocks, "blocks_used": draft.blocks_used,
+                                                    "live_tokens": draft.live_tokens}}
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -190,7 +205,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "prefix_cache_queries": s.prefix_cache.queries, "prefix_cache_hits": s.prefix_cache.hits,
                 "tiers": [t._asdict() for t in s.tiers], "swaps_out": s.swaps_out, "swaps_in": s.swaps_in,
                 "swap_fallbacks": s.swap_fallbacks, "num_swapped": s.num_swapped,
-                "groups": [asdict(g) for g in s.groups], "per_request_blocks": s.per_request_blocks}
+                "groups": [asdict(g) for g in s.groups], "per_request_blocks": s.per_request_blocks,
+                "spec_decode": _spec_decode_json(s.spec_decode)}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:

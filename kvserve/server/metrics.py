@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvserve.cache.kv_stats import KVGroupStats
+from kvserve.cache.kv_stats import KVGroupStats, SpecDecodeStats
 from kvserve.cache.kv_tiers import TierStats
 from kvserve.engine.engine import RequestOutput
 
@@ -68,6 +68,35 @@ class _PoolCollector:
             yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)
         yield from _tier_metrics(stats.tiers)
         yield from _group_metrics(stats.groups)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_metrics(stats.spec_decode)
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's spec_decode_* names)."""
+    counters = {"spec_decode_num_drafts": ("Verify steps (one per request per step that verified drafts)",
+                                           spec.num_drafts),
+                "spec_decode_num_draft_tokens": ("Draft tokens proposed and verified", spec.num_draft_tokens),
+                "spec_decode_num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+                "spec_decode_num_bonus_tokens": ("Verify steps whose drafts were all accepted (a bonus token)",
+                                                 spec.num_bonus_tokens),
+                "spec_decode_num_disabled_steps": ("Steps without drafts: more requests decoded than "
+                                                   "disable_by_batch_size", spec.num_disabled_steps)}
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)
+    yield GaugeMetricFamily("kvserve:spec_decode_acceptance_rate", "Accepted / proposed draft tokens",
+                            value=spec.acceptance_rate)
+    yield GaugeMetricFamily("kvserve:spec_decode_mean_accepted_length",
+                            "Tokens per verify step: accepted drafts plus the target's own",
+                            value=spec.mean_accepted_length)
+    per_position = CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted at each position", labels=["position"])
+    for position, count in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
+    if spec.draft_kv is not None:
+        yield GaugeMetricFamily("kvserve:spec_decode_draft_kv_usage_perc",
+                                "Fraction of the draft model's KV blocks in use (0..1)", value=spec.draft_kv.usage)
 
 
 def _group_metrics(groups: list[KVGroupStats]) -> Iterator[Metric]:
