@@ -53,8 +53,8 @@ class SpeculativeConfig:
     # no drafts in a step where more requests than this decode (vLLM's name); 0 = never disable
     disable_by_batch_size: int = 8
     # adapt k per request from its measured acceptance: propose k maximizing expected tokens per
-    # unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps; None:
-    # VERIFY_TOKEN_COST plus, for a draft model, its size relative to the target's
+    # unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps; None: measured
+    # (spec_decode.VERIFY_TOKEN_COST, growing with the batch) plus a draft model's relative size
     draft_token_cost: float | None = None
 
     @classmethod

