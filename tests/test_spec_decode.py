@@ -157,6 +157,36 @@ def test_preemption_mid_speculation_loses_nothing(weak: Path, spec: dict[str, An
     assert stats.num_preemptions > 0 and stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
 
 
+def test_verify_prefill_and_decode_chunks_share_steps(weak: Path) -> None:
+    """Requests arrive while others decode, prefill in chunks of a small token budget: steps mix
+    prefill chunks, plain decodes and verify chunks, and the output is the output alone."""
+
+    def staggered(spec: dict[str, Any] | None) -> tuple[dict[str, list[int]], set[str]]:
+        llm = LLM(str(weak), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=24,
+                  speculative_config=spec)
+        engine = llm.engine
+        kinds_seen: set[str] = set()
+        execute = engine.runner.execute
+
+        def recording(chunks: list[Any]) -> Any:
+            kinds = {"verify" if c.draft_token_ids else "decode" if c.num_tokens == 1 else "prefill" for c in chunks}
+            if len(kinds) == 3:
+                kinds_seen.add("all three")
+            return execute(chunks)
+
+        engine.runner.execute = recording  # type: ignore[method-assign]
+        pending, outputs, step = prompts(6), {}, 0
+        while pending or engine.has_unfinished_requests():
+            if pending and step % 5 == 0:
+                engine.add_request(pending.pop(0), GREEDY)
+            outputs.update({o.request_id: o.token_ids for o in engine.step()})
+            step += 1
+        return outputs, kinds_seen
+
+    with_spec, kinds = staggered(ngram(3, disable_by_batch_size=0))
+    assert with_spec == staggered(None)[0] and kinds == {"all three"}
+
+
 def test_disable_by_batch_size(weak: Path) -> None:
     outs, llm = run(weak, ngram(3, disable_by_batch_size=2), prompts(6))
     stats = llm.kv_stats().spec_decode
