@@ -136,7 +136,13 @@ def main() -> None:
     parser.add_argument("--fp32-check", type=int, default=0, metavar="N",
                         help="only check that the first N prompts of each workload decode to the same greedy "
                              "tokens in fp32 with and without ngram speculation")
+    parser.add_argument("--early-exit-agreement", action="store_true",
+                        help="only measure, with HF transformers, how often each layer's early exit (final norm + "
+                             "LM head) agrees with the full model's top-1 token on held-out text")
     args = parser.parse_args()
+    if args.early_exit_agreement:
+        early_exit_agreement()
+        return
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
@@ -193,6 +199,23 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))
+
+
+def early_exit_agreement(layers: tuple[int, ...] = (6, 10, 15, 20, 25), tokens: int = 400) -> None:
+    """What bounds layer_skip's acceptance: teacher-forced top-1 agreement of layer L's exit."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
+                                              dtype=torch.float32).eval()
+    assert loaded.tokenizer is not None
+    ids = torch.tensor([loaded.tokenizer.encode(" ".join(stdlib_docstrings()[:6]))[:tokens]])
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        final = out.logits[0].argmax(-1)
+        for layer in layers:
+            early = hf.lm_head(hf.model.norm(out.hidden_states[layer][0])).argmax(-1)
+            print(f"layer {layer}: top-1 agreement with the full model {float((early == final).float().mean()):.3f}")
 
 
 def fp32_check(count: int, max_tokens: int, k: int) -> None:
