@@ -62,7 +62,8 @@ def test_ngram_propose_takes_the_longest_latest_match() -> None:
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 1, 3) == [7, 8]  # latest "1 2 3"
     assert ngram_propose([5, 6, 1, 2, 9, 9, 2], 3, 1, 3) == [9, 9, 2]  # only "2" occurs before: n = 1
     assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
-    assert ngram_propose([4, 4, 4], 5, 2, 2) == [4]  # what follows runs up to the end
+    assert ngram_propose([4, 4, 4, 4, 4, 4], 3, 2, 2) == [4, 4, 4]  # in a loop: the latest with k to follow
+    assert ngram_propose([4, 4, 4], 5, 2, 2) == [4]  # none has k: the earliest, up to the end
 
 
 def test_best_num_drafts() -> None:
@@ -185,6 +186,28 @@ def test_verify_prefill_and_decode_chunks_share_steps(weak: Path) -> None:
 
     with_spec, kinds = staggered(ngram(3, disable_by_batch_size=0))
     assert with_spec == staggered(None)[0] and kinds == {"all three"}
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_sliding_window_model(tiny_model_factory: Callable[..., Path], hybrid: bool) -> None:
+    """Gemma 3's shape in small (window 8, two sliding layers per full one): verify chunks over
+    sliding-window KV cache groups (blocks released out of the window while drafts come and go),
+    or one table for every layer; greedy output is unchanged. This random model repeats one
+    token, so ngram drafts always stand; a draft model of other weights has its drafts rejected."""
+    model = tiny_model_factory("gemma3_text")
+    other = tiny_model_factory("llama", o_proj_scale=0.01)
+    kwargs = {"block_size": 4, "disable_hybrid_kv_cache_manager": not hybrid}
+    base, _ = run(model, None, prompts(4), **kwargs)
+    for spec in (ngram(3), {"method": "draft_model", "model": str(other), "num_speculative_tokens": 3,
+                            "draft_token_cost": 0.0}):
+        outs, llm = run(model, spec, prompts(4), check=True, **kwargs)
+        assert outs == base
+        stats = llm.kv_stats().spec_decode
+        assert stats is not None and stats.num_draft_tokens > 50
+        if spec["method"] == "ngram":
+            assert stats.num_accepted_tokens > 50
+        else:
+            assert stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_disable_by_batch_size(weak: Path) -> None:

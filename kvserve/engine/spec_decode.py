@@ -38,15 +38,18 @@ from kvserve.engine.sampling import (
 
 
 def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens, for the longest n in [n_min, n_max] that occurs; else none."""
+    """Prompt lookup: the up to ``k`` tokens that followed an earlier occurrence of the
+    sequence's last n tokens, for the longest n in [n_min, n_max] that occurs; else none. The
+    occurrence is the latest one followed by k tokens (in a loop, the previous turn of it), or
+    if none is, the earliest (the longest continuation there is)."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)  # the suffix itself excluded
-        hits = np.flatnonzero((windows == seq[length - n:]).all(axis=1))
+        hits = np.flatnonzero((windows == seq[length - n:]).all(axis=1)) + n  # where each continuation starts
         if hits.size:
-            start = int(hits[-1]) + n
+            whole = hits[hits + k <= length]
+            start = int(whole[-1] if whole.size else hits[0])
             return seq[start : start + k].tolist()
     return []
 
