@@ -328,6 +328,10 @@ def test_draft_pool_shares_the_kv_budget(weak: Path, tiny_model_factory: Callabl
     # the target's 2 layers and the draft's 1 split 4 MiB 2:1, so both hold the same tokens
     assert both.num_blocks * 3 == pytest.approx(alone.num_blocks * 2, abs=3)
     assert abs(both.draft_num_blocks - both.num_blocks) <= 1
+    short = tiny_model_factory("llama", num_hidden_layers=1, max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="handles 64 positions, fewer than max_model_len=512"):
+        LLM(str(weak), dtype="float32", kv_cache_memory="4MiB",
+            speculative_config={"method": "draft_model", "model": str(short)})
     with pytest.raises(ConfigError, match="num_draft_layers"):
         LLM(str(weak), dtype="float32", kv_cache_memory="4MiB",
             speculative_config={"method": "layer_skip", "num_draft_layers": 2})

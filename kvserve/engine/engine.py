@@ -201,6 +201,10 @@ class LLMEngine:
         draft_config = loaded.config
         if draft_config.mla is not None:
             raise ConfigError(f"speculative_config: draft model {spec.model} uses MLA; pick one with K/V heads")
+        if draft_config.max_position_embeddings < self.max_model_len:
+            raise ConfigError(f"speculative_config: draft model {spec.model} handles "
+                              f"{draft_config.max_position_embeddings} positions, fewer than max_model_len="
+                              f"{self.max_model_len}; lower max_model_len")
         if self.tokenizer is not None and loaded.tokenizer is not None and \
                 loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(f"speculative_config: draft model {spec.model} has another tokenizer than "
