@@ -39,7 +39,7 @@ SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
 @dataclass(slots=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` keys). ``ngram`` proposes what
-    followed the latest earlier occurrence of the sequence's last n-gram (n from
+    followed an earlier occurrence of the sequence's last n-gram (n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``); ``draft_model`` runs ``model``, a
     smaller model with the target's vocabulary, on its own paged KV cache; ``layer_skip`` drafts
     with the target's first ``num_draft_layers`` layers and its LM head (no extra weights)."""

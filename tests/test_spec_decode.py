@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -344,13 +345,14 @@ COPY_TEXT = ("The paged KV cache splits each sequence's keys and values into fix
              "a request finishes.")
 
 
-def test_server_speculates_on_the_real_model(smollm: LoadedModel) -> None:
+def test_server_speculates_on_the_real_model(smollm: LoadedModel, tmp_path: Path) -> None:
     """SmolLM2 asked to repeat a text, through the official client, streamed and not, with ngram
     speculation: the same greedy text as without speculation, most drafts accepted, and the
-    counters in /metrics and /v1/kv."""
+    counters in /metrics and /v1/kv, and the load tester's report."""
     import openai
     from prometheus_client.parser import text_string_to_metric_families
 
+    from kvserve.cli import main
     from kvserve.server.app import ServerConfig
     from kvserve.server.serve import build
     from tests.conftest import serve_in_thread
@@ -376,6 +378,16 @@ def test_server_speculates_on_the_real_model(smollm: LoadedModel) -> None:
         assert kv["num_accepted_tokens"] == samples["kvserve:spec_decode_num_accepted_tokens_total"] > 0
         assert kv["num_draft_tokens"] == samples["kvserve:spec_decode_num_draft_tokens_total"]
         assert kv["acceptance_rate"] > 0.5 and kv["mean_accepted_length"] > 2
+        # the load tester reports acceptance per level, from the server's counters
+        dataset = tmp_path / "copy.jsonl"
+        dataset.write_text("\n".join(json.dumps({"messages": messages}) for _ in range(2)) + "\n")
+        code = main(["bench", "serve", "--base-url", base, "--model", "smollm2-135m", "--dataset", f"jsonl:{dataset}",
+                     "--output-len", "40", "--num-prompts", "2", "--concurrency", "1", "--out",
+                     str(tmp_path / "run"), "--quiet"])
+        assert code == 0
+        level = json.loads((tmp_path / "run" / "results.json").read_text())["levels"][0]
+        assert level["spec_acceptance"] > 0.5 and level["spec_accepted_length"] > 2
+        assert "draft acceptance" in (tmp_path / "run" / "report.md").read_text()
     finally:
         stop()
         engine.shutdown()
