@@ -139,7 +139,14 @@ def main() -> None:
     parser.add_argument("--early-exit-agreement", action="store_true",
                         help="only measure, with HF transformers, how often each layer's early exit (final norm + "
                              "LM head) agrees with the full model's top-1 token on held-out text")
+    parser.add_argument("--cost-sweep", type=float, nargs="*", default=None, metavar="COST",
+                        help="only time ngram with these fixed draft_token_cost values against no speculation at "
+                             "the first --batches size, engines interleaved per repeat (how the default was chosen)")
     args = parser.parse_args()
+    if args.cost_sweep:
+        torch.set_num_threads(2)
+        cost_sweep(args.cost_sweep, args.batches[0], args.max_tokens, args.repeats, args.k, args.workloads)
+        return
     if args.early_exit_agreement:
         early_exit_agreement()
         return
@@ -199,6 +206,29 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))
+
+
+def cost_sweep(costs: list[float], batch: int, max_tokens: int, repeats: int, k: int, names: list[str]) -> None:
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    base = LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB")
+    engines = {cost: LLM("smollm2-135m", loaded=loaded, kv_cache_memory="1GiB",
+                         speculative_config={"method": "ngram", "num_speculative_tokens": k, "draft_token_cost": cost})
+               for cost in costs}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    work = workloads(base, batch)
+    for name in names:
+        prompts = work[name][:batch]
+        walls: dict[str, list[float]] = {"off": [], **{str(c): [] for c in costs}}
+        for llm in [base, *engines.values()]:
+            llm.generate(prompts, params)  # warm
+        for _ in range(repeats):
+            for label, llm in [("off", base), *((str(c), e) for c, e in engines.items())]:
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                walls[label].append(time.perf_counter() - start)
+        median = {label: sorted(times)[len(times) // 2] for label, times in walls.items()}
+        print(f"{name} batch {batch}: " + ", ".join(f"cost {label}: {median['off'] / median[label]:.2f}x"
+                                                    for label in median if label != "off"), flush=True)
 
 
 def early_exit_agreement(layers: tuple[int, ...] = (6, 10, 15, 20, 25), tokens: int = 400) -> None:
