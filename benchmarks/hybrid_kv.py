@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import vllm_child_result
+from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
@@ -145,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     loaded = load_model(MODEL, torch.device("cpu"), torch.float32)
-    result: dict[str, Any] = {"model": MODEL, "cpu": _cpu()}
+    result: dict[str, Any] = {"model": MODEL, "cpu": cpu_name()}
     for name, disable in (("groups", False), ("one_table", True)):
         result[f"concurrency_{name}"] = row = concurrency(loaded, disable, args.pool, args.context, 2048)
         print(f"{name}: {row['sequences_held']} sequences of {args.context} tokens in {args.pool} "
@@ -167,14 +168,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print("same greedy tokens both ways:", result["same_tokens"])
-
-
-def _cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import export_hf_folder, vllm_child_result
+from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LoadedModel, load_model
@@ -174,7 +175,7 @@ def main() -> None:
     work = workloads(engines["kvserve"], max(args.batches))
     for llm in engines.values():  # warm up every engine (kernels, allocator) before anything is timed
         llm.generate(work["chat"][:2], SamplingParams(temperature=0, max_tokens=16))
-    result: dict[str, Any] = {"cpu": _cpu(), "model": "smollm2-135m", "dtype": "bfloat16", "k": args.k,
+    result: dict[str, Any] = {"cpu": cpu_name(), "model": "smollm2-135m", "dtype": "bfloat16", "k": args.k,
                               "max_tokens": args.max_tokens, "batches": args.batches, "workloads": {}}
     for name in args.workloads:
         prompts = work[name]
@@ -281,14 +282,6 @@ def table(result: dict[str, Any]) -> str:
                              f"{'-' if rate is None else f'{100 * rate:.0f}%'} | "
                              f"{'-' if length is None else f'{length:.2f}'} | {same}/{row['batch']} |")
     return "\n".join(lines)
-
-
-def _cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

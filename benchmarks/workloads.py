@@ -4,9 +4,19 @@ runner can import it from its own venv). Token ids, not text, so tokenizers cann
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import NamedTuple
 
 VOCAB = 49152
+
+
+def cpu_name() -> str:
+    """The CPU's model name (benchmark results record which machine measured them)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 class Workload(NamedTuple):

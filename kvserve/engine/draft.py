@@ -104,10 +104,10 @@ class DraftModelProposer(Proposer):
         ordered, hidden = self.runner.forward(chunks)
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
-        ends = dict(zip((id(c.request) for c in ordered), np.cumsum([c.num_tokens for c in ordered]) - 1,
-                        strict=True))
         if not finishing:
             return
+        ends = dict(zip((id(c.request) for c in ordered), np.cumsum([c.num_tokens for c in ordered]) - 1,
+                        strict=True))
         rows = torch.tensor([int(ends[id(seq)]) for _, seq in finishing], device=self.device)
         tokens = self.model.compute_logits(hidden[rows])[:, : self.vocab_size].argmax(dim=-1).tolist()
         for (i, _), token in zip(finishing, tokens, strict=True):

@@ -17,6 +17,7 @@ unit of step cost for the request's measured acceptance rate.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -232,7 +233,6 @@ class SpecDecoder:
         self.proposer.free(request_id)
 
     def snapshot(self) -> SpecDecodeStats:
-        stats = self.stats
-        return SpecDecodeStats(stats.method, stats.num_speculative_tokens, stats.num_drafts, stats.num_draft_tokens,
-                               stats.num_accepted_tokens, stats.num_bonus_tokens,
-                               list(stats.accepted_per_position), stats.num_disabled_steps, self.proposer.kv_stats())
+        """A copy of the counters (the live ones keep changing), with the draft pool's stats."""
+        return dataclasses.replace(self.stats, accepted_per_position=list(self.stats.accepted_per_position),
+                                   draft_kv=self.proposer.kv_stats())
