@@ -52,8 +52,8 @@ class SpeculativeConfig:
     num_draft_layers: int = 0  # layer_skip: 0 = a third of the target's layers
     # no drafts in a step where more requests than this decode (vLLM's name); 0 = never disable
     disable_by_batch_size: int = 8
-    # adapt k per request from its measured acceptance: propose k maximizing expected tokens per
-    # unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps; None: measured
+    # adapt k per request from the measured acceptance of its kind of drafts: k maximizing
+    # expected tokens per unit of step cost, a verify step costing 1 + draft_token_cost x k decode steps; None: measured
     # (spec_decode.VERIFY_TOKEN_COST, growing with the batch) plus a draft model's relative size
     draft_token_cost: float | None = None
 

@@ -14,9 +14,19 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import ConfigError, EngineConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine, LoadedModel
-from kvserve.engine.spec_decode import best_num_drafts, ngram_propose, verify
+from kvserve.engine.request import Request
+from kvserve.engine.spec_decode import (
+    PRIOR_ACCEPTANCE,
+    AcceptanceEstimate,
+    NgramProposer,
+    SpecDecoder,
+    best_num_drafts,
+    expected_tokens,
+    ngram_propose,
+    verify,
+)
 from tests.test_cache_invariants import check_manager
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -60,18 +70,83 @@ def ngram(k: int, **extra: Any) -> dict[str, Any]:
 
 
 def test_ngram_propose_takes_the_longest_latest_match() -> None:
-    assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 1, 3) == [7, 8]  # latest "1 2 3"
-    assert ngram_propose([5, 6, 1, 2, 9, 9, 2], 3, 1, 3) == [9, 9, 2]  # only "2" occurs before: n = 1
-    assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
-    assert ngram_propose([4, 4, 4, 4, 4, 4], 3, 2, 2) == [4, 4, 4]  # in a loop: the latest with k to follow
-    assert ngram_propose([4, 4, 4], 5, 2, 2) == [4]  # none has k: the earliest, up to the end
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 1, 3) == ([7, 8], 3)  # latest "1 2 3"
+    assert ngram_propose([5, 6, 1, 2, 9, 9, 2], 3, 1, 3) == ([9, 9, 2], 1)  # only "2" occurs before: n = 1
+    assert ngram_propose([1, 2, 3, 4], 3, 1, 3).tokens == []  # nothing repeats
+    assert ngram_propose([4, 4, 4, 4, 4, 4], 3, 2, 2) == ([4, 4, 4], 2)  # in a loop: the latest with k to follow
+    assert ngram_propose([4, 4, 4], 5, 2, 2) == ([4], 2)  # none has k: the earliest, up to the end
+    assert ngram_propose([7, 1, 2, 1], 2, 2, 3).tokens == []  # "1" repeats, but n_min is 2
+
+
+def test_ngram_propose_against_brute_force() -> None:
+    rnd = random.Random(0)
+    for _ in range(3000):
+        tokens = [rnd.randrange(rnd.randint(1, 5)) for _ in range(rnd.randint(1, 30))]
+        k, n_min = rnd.randint(1, 6), rnd.randint(1, 4)
+        n_max = rnd.randint(n_min, 6)
+        length, expected = len(tokens), ([], 0)
+        for n in range(n_min, min(n_max, length - 1) + 1):  # the longest n wins
+            starts = [end + 1 for end in range(n - 1, length - 1) if tokens[end - n + 1 : end + 1] == tokens[-n:]]
+            whole = [s for s in starts if s + k <= length]
+            if starts:
+                start = whole[-1] if whole else starts[0]
+                expected = (tokens[start : start + k], n)
+        assert ngram_propose(tokens, k, n_min, n_max) == expected, (tokens, k, n_min, n_max)
 
 
 def test_best_num_drafts() -> None:
-    assert best_num_drafts(0.9, 7, 0.0) == 7
-    assert best_num_drafts(0.02, 7, 0.1) == 0  # rarely accepted: drafting does not pay
-    ks = [best_num_drafts(a / 10, 7, 0.1) for a in range(10)]
+    assert best_num_drafts([0.9] * 7, 7, 0.0) == 7
+    assert best_num_drafts([0.02] * 7, 7, 0.1) == 0  # rarely accepted: drafting does not pay
+    ks = [best_num_drafts([a / 10] * 7, 7, 0.1) for a in range(10)]
     assert ks == sorted(ks) and ks[-1] > 2  # more drafts as acceptance grows
+    # acceptance in runs: the first draft rarely stands, the rest nearly always once it has
+    runs = [0.2, 0.95, 0.95, 0.95]
+    assert expected_tokens(runs, 4) == pytest.approx(1 + 0.2 * (1 + 0.95 + 0.95**2 + 0.95**3))
+    assert best_num_drafts(runs, 4, 0.1) == 4  # all or nothing: the tail is nearly free once in a run
+    assert best_num_drafts(runs, 4, 0.3) == 0
+    assert best_num_drafts([0.44] * 4, 4, 0.3) == 1  # the same mean rate, spread evenly, drafts one
+
+
+def test_acceptance_estimate_counts_each_position_given_the_ones_before() -> None:
+    estimate = AcceptanceEstimate(4)
+    estimate.observe(4, 1)  # draft 0 stood, draft 1 fell, drafts 2-3 never judged
+    estimate.observe(2, 2)  # both stood (the bonus token is not a draft)
+    assert estimate.reached == pytest.approx([0.98 + 1, 0.98 + 1, 0, 0])
+    assert estimate.accepted == pytest.approx([0.98 + 1, 1, 0, 0])
+    assert estimate.rates()[2:] == [PRIOR_ACCEPTANCE[1]] * 2  # no evidence: the prior
+    for _ in range(1000):
+        estimate.observe(4, 0)
+    assert 0 < estimate.rates()[0] < 0.05  # the prior stays, faded evidence of rejections outweighs it
+
+
+def test_spec_decoder_keeps_one_estimate_per_ngram_length() -> None:
+    """Drafts from long n-gram matches that stood and from 1-token matches that fell: at the
+    same batch, only long matches draft (the n-gram length predicts acceptance, benchmarks)."""
+    decoder = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, draft_token_cost=0.3),
+                          NgramProposer(1, 4), block_size=16, tail_blocks=False, max_model_len=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=100)
+
+    def decoding(tokens: list[int]) -> Request:
+        request = Request(f"r{len(tokens)}-{tokens[-1]}", tokens, params, 0)
+        request.num_computed_tokens = len(tokens) - 1
+        return request
+
+    long_match, short_match = decoding([5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]), decoding([1, 2, 3, 4, 1])
+    decoder.propose([long_match, short_match])
+    assert long_match.spec_token_ids[:1] == [9] and short_match.spec_token_ids[:1] == [2]  # the prior drafts
+    for _ in range(10):
+        decoder.record(long_match.request_id, 4, 4)
+        decoder.record(short_match.request_id, 4, 0)
+        decoder.pending.update({long_match.request_id: decoder.estimates[4, True],
+                                short_match.request_id: decoder.estimates[1, True]})
+    long_match.spec_token_ids, short_match.spec_token_ids = [], []
+    decoder.propose([long_match, short_match])
+    assert long_match.spec_token_ids == [9, 10, 11, 5] and short_match.spec_token_ids == []
+    sampled = decoding(list(long_match.prompt_token_ids))
+    sampled.params = SamplingParams(temperature=1.0, max_tokens=100)
+    decoder.propose([sampled])
+    assert sampled.spec_token_ids[:1] == [9]  # its prior, not the greedy class's evidence
+    assert (4, False) in decoder.estimates  # sampled requests keep estimates of their own
 
 
 def test_bad_speculative_config_names_the_key() -> None:

@@ -17,7 +17,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk
-from kvserve.engine.spec_decode import Proposer
+from kvserve.engine.spec_decode import Proposal, Proposer
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -73,7 +73,7 @@ class DraftModelProposer(Proposer):
         return seq
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Proposal]:
         seqs = [self._sync(r, k) for r, k in zip(requests, num_drafts, strict=True)]
         live = [(i, seq) for i, seq in enumerate(seqs) if seq is not None]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -96,7 +96,7 @@ class DraftModelProposer(Proposer):
             for i, seq in going:
                 seq.prompt_token_ids.append(drafts[i][-1])
             self._forward_and_draft([ScheduledChunk(seq, 1) for _, seq in going], going, drafts)
-        return drafts
+        return [Proposal(tokens) for tokens in drafts]
 
     def _forward_and_draft(self, chunks: list[ScheduledChunk], finishing: list[tuple[int, Request]],
                            drafts: list[list[int]]) -> None:

@@ -12,7 +12,8 @@ resamples from p with x removed (Leviathan et al. 2023, Chen et al. 2023).
 
 ``SpecDecoder`` decides per step and per request how many tokens to draft: none when more
 requests decode than ``disable_by_batch_size``, otherwise k maximizing the expected tokens per
-unit of step cost for the request's measured acceptance rate.
+unit of step cost, from the measured acceptance of drafts of its class (``AcceptanceEstimate``):
+for the n-gram lookup, lookups that matched as long an n-gram.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,21 +40,40 @@ from kvserve.engine.sampling import (
 )
 
 
-def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+class Proposal(NamedTuple):
+    """A proposer's drafts for one request, and their class (``key``): proposals of one class
+    share an acceptance estimate. The n-gram lookup's key is the length of the n-gram it matched
+    (a 4-token match is right far more often than a 1-token one); a draft model's is 0."""
+
+    tokens: list[int]
+    key: int = 0
+
+
+def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> Proposal:
     """Prompt lookup: the up to ``k`` tokens that followed an earlier occurrence of the
     sequence's last n tokens, for the longest n in [n_min, n_max] that occurs; else none. The
     occurrence is the latest one followed by k tokens (in a loop, the previous turn of it), or
     if none is, the earliest (the longest continuation there is)."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)  # the suffix itself excluded
-        hits = np.flatnonzero((windows == seq[length - n:]).all(axis=1)) + n  # where each continuation starts
-        if hits.size:
-            whole = hits[hits + k <= length]
-            start = int(whole[-1] if whole.size else hits[0])
-            return seq[start : start + k].tolist()
-    return []
+    n_max = min(n_max, length - 1)
+    # ends: the earlier positions where the sequence's last n tokens also end, n = 1, 2, ...
+    ends = np.flatnonzero(seq[: length - 1] == seq[-1]) if n_max >= 1 else seq[:0]
+    found, found_n, n = seq[:0], 0, 1
+    while ends.size:
+        if n >= n_min:
+            found, found_n = ends, n
+        if n == n_max:
+            break
+        ends = ends[ends >= n]
+        ends = ends[seq[ends - n] == seq[length - 1 - n]]
+        n += 1
+    if not found.size:
+        return Proposal([])
+    hits = found + 1  # where each continuation starts
+    whole = hits[hits + k <= length]
+    start = int(whole[-1] if whole.size else hits[0])
+    return Proposal(seq[start : start + k].tolist(), found_n)
 
 
 def verify(raw: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None,
@@ -96,13 +117,22 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int((probs / exponential_noise(probs.shape[-1], probs, generator)).argmax())
 
 
-def best_num_drafts(acceptance: float, max_drafts: int, draft_token_cost: float) -> int:
-    """k in [0, max_drafts] maximizing expected tokens per step, (1 - a^(k+1)) / (1 - a) for a
-    per-token acceptance rate a, divided by the step's cost, 1 + draft_token_cost x k."""
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Tokens a verify step of k drafts yields on average: 1 + sum over j < k of the chance that
+    drafts 0..j all stand, for ``rates[j]`` = P(draft j accepted | every draft before it was)."""
+    total, stand = 1.0, 1.0
+    for rate in rates[:k]:
+        stand *= rate
+        total += stand
+    return total
+
+
+def best_num_drafts(rates: Sequence[float], max_drafts: int, draft_token_cost: float) -> int:
+    """k in [0, max_drafts] maximizing expected tokens per step (``expected_tokens``) divided by
+    the step's cost, 1 + draft_token_cost x k."""
     best, best_value = 0, 1.0
     for k in range(1, max_drafts + 1):
-        expected = k + 1.0 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-        value = expected / (1.0 + draft_token_cost * k)
+        value = expected_tokens(rates, k) / (1.0 + draft_token_cost * k)
         if value > best_value + 1e-9:
             best, best_value = k, value
     return best
@@ -112,8 +142,12 @@ class Proposer(ABC):
     """Drafts tokens for decoding requests. Proposals must be deterministic functions of the
     request's tokens (``verify`` treats each draft as certain)."""
 
+    # cheap proposers draft first, at the most tokens allowed, and the proposal's class then sets
+    # how many are kept; costly ones (a draft model) are asked only for what the estimate pays for
+    drafts_before_deciding: bool = False
+
     @abstractmethod
-    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Proposal]:
         """Up to num_drafts[i] tokens to follow requests[i]'s tokens (fewer, or none, is fine)."""
 
     @abstractmethod
@@ -126,10 +160,12 @@ class Proposer(ABC):
 
 
 class NgramProposer(Proposer):
+    drafts_before_deciding = True
+
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Proposal]:
         return [ngram_propose(r.prompt_token_ids + r.output_token_ids, k, self.n_min, self.n_max)
                 for r, k in zip(requests, num_drafts, strict=True)]
 
@@ -140,10 +176,37 @@ class NgramProposer(Proposer):
 # verifying one more token, in decode steps of the request, per request decoding in the step, up to
 # a cap (SmolLM2 bf16 on 2 cores, benchmarks/spec_decode.py: about 0.03 at batch 1, 0.3 at 4, 0.5 at 16)
 VERIFY_TOKEN_COST, VERIFY_TOKEN_COST_CAP = 0.08, 0.5
-# a request's acceptance estimate starts at PRIOR_ACCEPTANCE with PRIOR_WEIGHT observations' worth
-# of evidence; evidence decays by ACCEPTANCE_DECAY per verify step, and by RETRY_DECAY towards the
-# prior per step spent without drafting, so a request that stopped drafting tries again later
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ACCEPTANCE_DECAY, RETRY_DECAY = 0.5, 2.0, 0.9, 0.98
+# a class's first draft starts at PRIOR_ACCEPTANCE[0] and each later one (given the ones before
+# stood) at PRIOR_ACCEPTANCE[1], a prior worth PRIOR_WEIGHT observations that never fades;
+# observations fade by ESTIMATE_DECAY per verify step of their class, and per proposal of it left
+# undrafted, so a class written off is tried again later
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ESTIMATE_DECAY = (0.5, 0.8), 2.0, 0.98
+
+
+class AcceptanceEstimate:
+    """How often each draft position of one class of proposals stands, given that the drafts
+    before it did. Acceptance comes in runs (a right n-gram match stays right for a while, a
+    wrong one fails at once), which one rate for every position would misjudge."""
+
+    __slots__ = ("accepted", "reached")
+
+    def __init__(self, positions: int) -> None:
+        self.reached = [0.0] * positions  # verify steps in which draft j was judged (all before it stood)
+        self.accepted = [0.0] * positions
+
+    def rates(self) -> list[float]:
+        return [(a + PRIOR_ACCEPTANCE[j > 0] * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+                for j, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True))]
+
+    def fade(self) -> None:
+        self.reached = [ESTIMATE_DECAY * r for r in self.reached]
+        self.accepted = [ESTIMATE_DECAY * a for a in self.accepted]
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.fade()
+        for j in range(min(num_drafts, num_accepted + 1)):
+            self.reached[j] += 1.0
+            self.accepted[j] += j < num_accepted
 
 
 class SpecDecoder:
@@ -163,13 +226,18 @@ class SpecDecoder:
         self.block_size = block_size
         self.stop_before_block_end = tail_blocks and block_size > 1
         self.max_model_len = max_model_len
-        self.evidence: dict[str, list[float]] = {}  # request id -> [accepted, rejected] (decayed counts)
+        # (proposal key, greedy) -> its estimate: sampled requests accept less often than greedy ones
+        self.estimates: dict[tuple[int, bool], AcceptanceEstimate] = {}
+        self.pending: dict[str, AcceptanceEstimate] = {}  # request id -> the class of its drafts in flight
         self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens,
                                      accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def _evidence(self, request_id: str) -> list[float]:
-        return self.evidence.setdefault(request_id, [PRIOR_ACCEPTANCE * PRIOR_WEIGHT,
-                                                     (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT])
+    def _estimate(self, key: int, request: Request) -> AcceptanceEstimate:
+        estimate = self.estimates.get((key, request.params.greedy))
+        if estimate is None:
+            estimate = self.estimates[key, request.params.greedy] = AcceptanceEstimate(
+                self.config.num_speculative_tokens)
+        return estimate
 
     def token_cost(self, num_decoding: int) -> float:
         """A draft token's cost in decode steps, with ``num_decoding`` requests in the step: the
@@ -179,12 +247,10 @@ class SpecDecoder:
             return given
         return min(VERIFY_TOKEN_COST * num_decoding, VERIFY_TOKEN_COST_CAP) + self.proposal_cost
 
-    def max_drafts(self, request: Request, token_cost: float) -> int:
-        """The most drafts worth proposing now: what its acceptance rate pays for, within
-        max_tokens, max_model_len and (tail-block pools) the current block."""
-        accepted, rejected = self._evidence(request.request_id)
-        k = best_num_drafts(accepted / (accepted + rejected), self.config.num_speculative_tokens, token_cost)
-        k = min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
+    def draft_room(self, request: Request) -> int:
+        """The most drafts the request can take now: within num_speculative_tokens, max_tokens,
+        max_model_len and (tail-block pools) the current block."""
+        k = min(self.config.num_speculative_tokens, request.params.max_tokens - len(request.output_token_ids) - 1,
                 self.max_model_len - request.num_tokens - 1)
         if self.stop_before_block_end:
             k = min(k, self.block_size - 1 - request.num_tokens % self.block_size)
@@ -199,24 +265,33 @@ class SpecDecoder:
         if limit and len(decoding) > limit:
             self.stats.num_disabled_steps += 1
             return
-        chosen: list[tuple[Request, int]] = []
         cost = self.token_cost(len(decoding))
+        asked: list[tuple[Request, int]] = []
         for request in decoding:
-            k = self.max_drafts(request, cost)
-            if k > 0:
-                chosen.append((request, k))
-            else:  # no drafting this step: the evidence drifts back towards the prior
-                evidence = self._evidence(request.request_id)
-                for i, prior in enumerate((PRIOR_ACCEPTANCE, 1 - PRIOR_ACCEPTANCE)):
-                    evidence[i] = RETRY_DECAY * evidence[i] + (1 - RETRY_DECAY) * prior * PRIOR_WEIGHT
-        if not chosen:
+            k = self.draft_room(request)
+            if k and not self.proposer.drafts_before_deciding:
+                estimate = self._estimate(0, request)
+                k = best_num_drafts(estimate.rates(), k, cost)
+                if not k:
+                    estimate.fade()
+            if k:
+                asked.append((request, k))
+        if not asked:
             return
-        drafts = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
-        for (request, k), tokens in zip(chosen, drafts, strict=True):
-            request.spec_token_ids = tokens[:k]
+        proposals = self.proposer.propose([r for r, _ in asked], [k for _, k in asked])
+        for (request, _), proposal in zip(asked, proposals, strict=True):
+            if not proposal.tokens:
+                continue
+            estimate = self._estimate(proposal.key, request)
+            k = best_num_drafts(estimate.rates(), len(proposal.tokens), cost)
+            if k:
+                request.spec_token_ids = proposal.tokens[:k]
+                self.pending[request.request_id] = estimate
+            else:
+                estimate.fade()  # not drafted: the class drifts back towards the prior
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """Count one verify step of a request and update its acceptance estimate."""
+        """Count one verify step of a request and update its class's acceptance estimate."""
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
@@ -224,12 +299,12 @@ class SpecDecoder:
         stats.num_bonus_tokens += num_accepted == num_drafts
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
-        evidence = self._evidence(request_id)
-        evidence[0] = ACCEPTANCE_DECAY * evidence[0] + num_accepted
-        evidence[1] = ACCEPTANCE_DECAY * evidence[1] + (num_accepted < num_drafts)
+        estimate = self.pending.pop(request_id, None)
+        if estimate is not None:
+            estimate.observe(num_drafts, num_accepted)
 
     def free(self, request_id: str) -> None:
-        self.evidence.pop(request_id, None)
+        self.pending.pop(request_id, None)
         self.proposer.free(request_id)
 
     def snapshot(self) -> SpecDecodeStats:
