@@ -21,6 +21,7 @@ from kvserve.engine.spec_decode import (
     PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
     NgramProposer,
+    Proposal,
     SpecDecoder,
     best_num_drafts,
     expected_tokens,
@@ -466,3 +467,23 @@ def test_server_speculates_on_the_real_model(smollm: LoadedModel, tmp_path: Path
     finally:
         stop()
         engine.shutdown()
+
+
+def test_spec_decoder_skips_lookups_no_class_pays_for() -> None:
+    """At a draft-token cost no estimate can pay for, the n-gram lookups are not even run."""
+    calls = []
+
+    class CountingProposer(NgramProposer):
+        def propose(self, requests: list[Request], num_drafts: list[int]) -> list[Proposal]:
+            calls.append(len(requests))
+            return super().propose(requests, num_drafts)
+
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=100), 0)
+    request.num_computed_tokens = 4
+    for cost, expected in ((5.0, []), (0.1, [1])):
+        decoder = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, draft_token_cost=cost),
+                              CountingProposer(1, 4), block_size=16, tail_blocks=False, max_model_len=1024)
+        calls.clear()
+        decoder.propose([request])
+        assert calls == expected
+    assert request.spec_token_ids == [3, 1, 2][: len(request.spec_token_ids)] and request.spec_token_ids

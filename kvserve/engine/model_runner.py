@@ -1,8 +1,9 @@
 """Turns a scheduled step into tensors, runs the model and samples.
 
-Batch layout: chunks are grouped by query length (all one-token decodes together; prefill
-chunks of equal length together), each group one padded attention call. Logits are computed only for the
-last token of chunks that complete their sequence.
+Batch layout: decodes and verify chunks first (through the decode kernel one call for all of
+them, one query per token), then prefill chunks of equal length together, each group one padded
+attention call. Logits are computed only for the last token of chunks that complete their
+sequence (and at each draft of a verify chunk).
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ from kvserve.model.attention import (
 from kvserve.model.llama import LlamaForCausalLM
 
 
+def one_query_per_token(chunk: ScheduledChunk) -> bool:
+    """A decode, or a verify chunk (its last real token and its drafts): attention for each of
+    its tokens is a decode query over the sequence up to that token."""
+    return chunk.num_tokens == 1 or bool(chunk.draft_token_ids)
+
+
+def _windowed(chunks: list[ScheduledChunk], window: int) -> bool:
+    """A sliding ``window`` cuts into some chunk's sequence (else it masks nothing)."""
+    return bool(window) and max(c.request.num_computed_tokens + c.num_tokens for c in chunks) > window
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, kv_manager: KVCacheManager,
                  device: torch.device, layer_groups: list[int] | None = None,
@@ -51,6 +63,38 @@ class ModelRunner:
         self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
 
+    def _groups(self, buckets: list[list[ScheduledChunk]], kv_group: int, window: int) -> list[AttentionGroup]:
+        """The attention calls of one step for layers of ``kv_group`` and ``window``: ``buckets``
+        are the chunks in batch order, decodes and verify chunks first. Through the decode kernel
+        those all make one call of one query per token, each over its own prefix (the prefill
+        kernel's widened copy of every sequence would cost more than a few drafts' attention);
+        otherwise each bucket is a call of its own."""
+        groups, token_start = [], 0
+        queries = list(itertools.takewhile(lambda b: one_query_per_token(b[0]), buckets))
+        merged = [c for bucket in queries for c in bucket]
+        if merged and self.decode_kernel and not _windowed(merged, window):
+            groups.append(self._per_token_group(merged, kv_group))
+            token_start, buckets = groups[0].batch, buckets[len(queries) :]
+        for bucket in buckets:
+            groups.append(self._group(bucket, token_start, kv_group, window))
+            token_start += bucket[0].num_tokens * len(bucket)
+        return groups
+
+    def _per_token_group(self, chunks: list[ScheduledChunk], kv_group: int) -> AttentionGroup:
+        """One decode-kernel call for the leading ``chunks`` of the batch, one query per token:
+        query i of a chunk of n sees the keys up to its own position (seq_len - n + 1 + i)."""
+        counts = torch.tensor([c.num_tokens for c in chunks], device=self.device)
+        tables = [self.kv.block_ids(c.request.request_id, kv_group) for c in chunks]
+        width = max(len(ids) for ids in tables)
+        block_tables = torch.tensor([ids + [0] * (width - len(ids)) for ids in tables], device=self.device)
+        seen = [c.request.num_computed_tokens + 1 + i for c in chunks for i in range(c.num_tokens)]
+        tail_slots = None
+        if self.kv_cache.uses_tail:
+            tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
+                                      device=self.device).repeat_interleave(counts)
+        return AttentionGroup(0, len(seen), 1, block_tables.repeat_interleave(counts, dim=0), True, None,
+                              torch.tensor(seen, device=self.device), False, None, tail_slots)
+
     def _group(self, chunks: list[ScheduledChunk], token_start: int, kv_group: int, window: int) -> AttentionGroup:
         """One attention call for chunks of equal query length, over ``kv_group``'s tables, for
         layers with this sliding ``window`` (0: none). Tables are read from their first live
@@ -58,7 +102,7 @@ class ModelRunner:
         use the torch path)."""
         query_len = chunks[0].num_tokens
         seq_lens = [c.request.num_computed_tokens + c.num_tokens for c in chunks]
-        windowed = bool(window) and max(seq_lens) > window
+        windowed = _windowed(chunks, window)
         # a window that cuts into the sequences reads each table from its first live block; else
         # every key is in every query's window: the whole table, plain causal attention
         live = [self.kv.live_blocks(c.request.request_id, kv_group) if windowed
@@ -71,14 +115,6 @@ class ModelRunner:
         if self.kv_cache.uses_tail:
             tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
                                       device=self.device)
-        if not windowed and query_len > 1 and chunks[0].draft_token_ids and self.decode_kernel:
-            # verify chunks: each token is a decode query over its own prefix, reading the pool in
-            # place (the prefill kernel's widened copy of every sequence would cost more than a
-            # few queries' attention)
-            positions = lens[:, None] - query_len + 1 + torch.arange(query_len, device=self.device)[None, :]
-            return AttentionGroup(token_start, len(chunks) * query_len, 1,
-                                  block_tables.repeat_interleave(query_len, dim=0), True, None, positions.flatten(),
-                                  False, None, None if tail_slots is None else tail_slots.repeat_interleave(query_len))
         if not windowed and (self.decode_kernel if query_len == 1 else self.prefill_kernel):
             return AttentionGroup(token_start, len(chunks), query_len, block_tables, True, None, lens, fresh, None,
                                   tail_slots)
@@ -181,10 +217,13 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Write the chunks' K/V and return (chunks in batch order, final hidden state of every
         token in that order). The caller advances num_computed_tokens."""
-        by_len: dict[tuple[int, bool], list[ScheduledChunk]] = {}  # verify chunks apart from prefill chunks
+        # decodes and verify chunks first, then prefill chunks by length (verify chunks apart from
+        # prefill chunks of their length)
+        by_len: dict[tuple[bool, int], list[ScheduledChunk]] = {}
         for chunk in chunks:
-            by_len.setdefault((chunk.num_tokens, bool(chunk.draft_token_ids)), []).append(chunk)
-        ordered = [c for n in sorted(by_len) for c in by_len[n]]
+            by_len.setdefault((not one_query_per_token(chunk), chunk.num_tokens), []).append(chunk)
+        buckets = [by_len[key] for key in sorted(by_len)]
+        ordered = [c for bucket in buckets for c in bucket]
         input_ids: list[int] = []
         positions: list[int] = []
         for chunk in ordered:
@@ -199,12 +238,7 @@ class ModelRunner:
         for group, window in zip(self.layer_groups, self.layer_windows, strict=True):
             if (group, window) not in metas:
                 slot_mapping, write = writes[group]
-                groups: list[AttentionGroup] = []
-                offset = 0
-                for key in sorted(by_len):
-                    groups.append(self._group(by_len[key], offset, group, window))
-                    offset += key[0] * len(by_len[key])
-                metas[group, window] = AttentionMetadata(slot_mapping, write, groups,
+                metas[group, window] = AttentionMetadata(slot_mapping, write, self._groups(buckets, group, window),
                                                          fused_rope_write=self.decode_kernel,
                                                          kv_observer=self.kv_observer)
         hidden = self.model(

@@ -178,9 +178,10 @@ class NgramProposer(Proposer):
 VERIFY_TOKEN_COST, VERIFY_TOKEN_COST_CAP = 0.08, 0.5
 # a class's first draft starts at PRIOR_ACCEPTANCE[0] and each later one (given the ones before
 # stood) at PRIOR_ACCEPTANCE[1], a prior worth PRIOR_WEIGHT observations that never fades;
-# observations fade by ESTIMATE_DECAY per verify step of their class, and per proposal of it left
-# undrafted, so a class written off is tried again later
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ESTIMATE_DECAY = (0.5, 0.8), 2.0, 0.98
+# observations fade by ESTIMATE_DECAY per verify step of their class, and by RETRY_DECAY per
+# proposal of it left undrafted, so a class written off is tried again, but rarely: each retry
+# costs the whole batch a longer step
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ESTIMATE_DECAY, RETRY_DECAY = (0.5, 0.8), 2.0, 0.98, 0.999
 
 
 class AcceptanceEstimate:
@@ -198,12 +199,12 @@ class AcceptanceEstimate:
         return [(a + PRIOR_ACCEPTANCE[j > 0] * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
                 for j, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True))]
 
-    def fade(self) -> None:
-        self.reached = [ESTIMATE_DECAY * r for r in self.reached]
-        self.accepted = [ESTIMATE_DECAY * a for a in self.accepted]
+    def fade(self, decay: float = RETRY_DECAY) -> None:
+        self.reached = [decay * r for r in self.reached]
+        self.accepted = [decay * a for a in self.accepted]
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
-        self.fade()
+        self.fade(ESTIMATE_DECAY)
         for j in range(min(num_drafts, num_accepted + 1)):
             self.reached[j] += 1.0
             self.accepted[j] += j < num_accepted
@@ -256,6 +257,12 @@ class SpecDecoder:
             k = min(k, self.block_size - 1 - request.num_tokens % self.block_size)
         return max(k, 0)
 
+    def _some_class_pays(self, cost: float) -> bool:
+        """Some class of proposals (one not seen yet included) is worth drafting at ``cost``."""
+        positions = self.config.num_speculative_tokens
+        return any(best_num_drafts(estimate.rates(), positions, cost) > 0
+                   for estimate in (*self.estimates.values(), AcceptanceEstimate(positions)))
+
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of the running requests that decode next step."""
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
@@ -266,6 +273,8 @@ class SpecDecoder:
             self.stats.num_disabled_steps += 1
             return
         cost = self.token_cost(len(decoding))
+        if self.proposer.drafts_before_deciding and not self._some_class_pays(cost):
+            return  # whatever the lookups found would be cut to nothing: spare them
         asked: list[tuple[Request, int]] = []
         for request in decoding:
             k = self.draft_room(request)
