@@ -49,7 +49,7 @@ def main() -> None:
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=64,
               enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len, seed=0,
-              speculative_config=spec, disable_log_stats=spec is None)
+              speculative_config=spec, disable_log_stats=spec is None and not args.tpot_batches)
     startup = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
     if args.tpot_batches:
@@ -73,6 +73,7 @@ def tpot_batches(llm: object, prompts: list, args: argparse.Namespace, params_cl
     rows = []
     for batch in [int(b) for b in args.tpot_batches.split(",")]:
         walls: dict[int, float] = {}
+        tpots: list[float] = []
         for max_tokens in (1, args.max_tokens):
             params = params_class(temperature=0, max_tokens=max_tokens, ignore_eos=True)
             llm.generate(prompts[:batch], params, use_tqdm=False)  # type: ignore[attr-defined]  # warm
@@ -81,8 +82,12 @@ def tpot_batches(llm: object, prompts: list, args: argparse.Namespace, params_cl
                 t = time.perf_counter()
                 outs = llm.generate(prompts[:batch], params, use_tqdm=False)  # type: ignore[attr-defined]
                 times.append(time.perf_counter() - t)
+                if max_tokens > 1:  # per request (last token - first token) / (tokens - 1), as vLLM's bench
+                    tpots.append(sum((o.metrics.last_token_ts - o.metrics.first_token_ts)
+                                     / (len(o.outputs[0].token_ids) - 1) for o in outs) / len(outs))
             walls[max_tokens] = sorted(times)[len(times) // 2]
         rows.append({"batch": batch, "wall_1": walls[1], "wall_n": walls[args.max_tokens],
+                     "tpot_ms": 1000 * sorted(tpots)[len(tpots) // 2],
                      "outputs": [list(o.outputs[0].token_ids) for o in outs]})
     counters: dict[str, float] = {}
     try:
