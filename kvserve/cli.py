@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
+from kvserve.config import KV_EVICTION, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -55,6 +55,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)')
+    g.add_argument("--kv-eviction", default="none", choices=KV_EVICTION,
+                   help="streaming: keep the attention sinks and a recent window of every request's KV, free "
+                        "the rest as it grows (StreamingLLM; memory bounded whatever --max-tokens)")
+    g.add_argument("--kv-sink-tokens", type=int, default=4,
+                   help="streaming: first tokens kept as attention sinks (whole blocks) (default: %(default)s)")
+    g.add_argument("--kv-window", type=int, default=1024,
+                   help="streaming: most recent tokens kept (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                    help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
@@ -74,7 +81,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
-        "speculative_config": args.speculative_config,
+        "speculative_config": args.speculative_config, "kv_eviction": args.kv_eviction,
+        "kv_sink_tokens": args.kv_sink_tokens, "kv_window": args.kv_window,
     }
 
 

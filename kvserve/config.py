@@ -17,6 +17,7 @@ from kvserve.cache.kv_format import normalize_kv_dtype
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")  # arrival order; longest cached prefix first (SGLang's lpm)
 PREEMPTION_MODES = ("recompute", "swap")  # vLLM's names
+KV_EVICTION = ("none", "streaming")  # streaming: StreamingLLM's attention sinks + recent window
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -196,6 +197,11 @@ class EngineConfig:
     # every layer keeps every block (sliding-window layers still attend within their window):
     # vLLM's flag of the same name, kept to measure what the KV cache groups save
     disable_hybrid_kv_cache_manager: bool = False
+    # KV eviction: "streaming" keeps the first kv_sink_tokens tokens' blocks and the last kv_window
+    # tokens' blocks of every request and frees the rest as it grows (memory bounded whatever max_tokens)
+    kv_eviction: str = "none"
+    kv_sink_tokens: int = 4
+    kv_window: int = 1024
     # speculative decoding: a SpeculativeConfig, its dict, or its JSON text (vLLM's speculative_config)
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     seed: int = 0
@@ -248,5 +254,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_eviction not in KV_EVICTION:
+            raise ConfigError(f"kv_eviction must be one of {', '.join(KV_EVICTION)}, got {self.kv_eviction!r}")
+        for name, low in (("kv_sink_tokens", 0), ("kv_window", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")

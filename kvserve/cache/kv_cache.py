@@ -590,6 +590,20 @@ class PagedKVCache:
         for tensor in self.per_block_tensors():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
+    def read_keys(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """A copy of the keys of ``block_ids`` in every storage layer ([blocks, kv_heads,
+        block_size, dim] each; float pools)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.clipped.device)
+        kv_heads = self.rows_per_token // 2
+        return [layer.data.index_select(0, ids)[:, :kv_heads].clone() for layer in self.storage]
+
+    def write_keys(self, block_ids: list[int], keys: list[torch.Tensor]) -> None:
+        """Overwrite the keys of ``block_ids`` in every storage layer (as read_keys gives them)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.clipped.device)
+        kv_heads = self.rows_per_token // 2
+        for layer, layer_keys in zip(self.storage, keys, strict=True):
+            layer.data[ids, :kv_heads] = layer_keys.to(layer.data.dtype)
+
     def zero_new_blocks(self, max_block_id: int) -> None:
         """Zero blocks up to ``max_block_id`` on first use. The pool hands out never-used blocks
         in id order, so this touches each block once and pages stay lazily committed."""

@@ -56,10 +56,41 @@ class SwappedBlocks(NamedTuple):
     num_published: int
 
 
+class StreamingWindow(NamedTuple):
+    """StreamingLLM's cache (Xiao et al. 2023): the blocks of the first ``sink_tokens`` tokens
+    (the attention sinks) and those of the last ``window`` tokens; the blocks between are
+    evicted as the sequence grows (KVCacheManager.evict). A query sees the sinks and its last
+    ``window`` to ``window + block_size - 1`` tokens (a prefill chunk's later queries up to a
+    chunk more)."""
+
+    sink_tokens: int
+    window: int
+
+    def sink_blocks(self, block_size: int) -> int:
+        return cdiv(self.sink_tokens, block_size)
+
+    def blocks_held(self, block_size: int, chunk: int = 1) -> int:
+        """A sequence's most blocks, however long it grows: the sinks, the window's, a chunk's."""
+        return self.sink_blocks(block_size) + cdiv(self.window - 1 + chunk - 1, block_size) + 1
+
+
+class Eviction(NamedTuple):
+    """What one eviction did to a request: its tokens past the sinks now sit ``shift`` cache
+    positions before their absolute positions. Queries keep absolute rotary positions, and so do
+    the window's keys, so their distances are right as they are (RoPE sees only q - k); the sink
+    blocks' keys must be turned to sit ``shift`` positions later (StreamingLLM's positions within
+    the cache)."""
+
+    sink_block_ids: list[int]
+    shift: int
+    first: bool  # the request's first eviction: its sinks still hold their keys as written
+
+
 class KVCacheManager:
     """Maps each request to one block table per KV cache group (kv_groups) and grows them on demand.
 
-    Invariants: each of a request's tables covers exactly cdiv(num_tokens, block_size) entries;
+    Invariants: each of a request's tables covers exactly cdiv(num_tokens, block_size) entries
+    (num_tokens counts cache positions: absolute ones less ``evicted``, with streaming eviction);
     a sliding-window group's leading entries that fell wholly out of its window are the null
     block (``num_released``) and every other entry is a block the request holds; free() returns
     every block of the request at once. A block is in two tables only as a shared, published
@@ -70,16 +101,25 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  tail_blocks: int = 0, host_tier: TierIndex | None = None, disk_tier: DiskTier | None = None,
                  disk_block_like: list[torch.Tensor] | None = None,
-                 groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,), max_chunk_tokens: int = 1) -> None:
+                 groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,), max_chunk_tokens: int = 1,
+                 streaming: StreamingWindow | None = None) -> None:
         """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
         (kv_format.tail_blocks), the aligned run of pool blocks that holds one; every request
         holding blocks then holds one run per group, taken with its first blocks and freed with
-        them. ``max_chunk_tokens``: the longest chunk a step computes (sizes sliding groups)."""
+        them. ``max_chunk_tokens``: the longest chunk a step computes (sizes sliding groups).
+        ``streaming``: evict every request's middle blocks (one group, no prefix caching: the
+        sink blocks are re-rotated in place, so they could not be shared)."""
+        if streaming is not None and (len(groups) != 1 or groups[0].sliding_window or enable_prefix_caching):
+            raise ValueError("streaming eviction takes one full-attention group and no prefix caching")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.groups = list(groups)
         self.max_chunk_tokens = max_chunk_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.streaming = streaming
+        # tokens evicted from each request's table (streaming): its table holds cache positions,
+        # which are absolute positions less this past the sinks
+        self.evicted: dict[str, int] = {}
         self.block_tables: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
         self.num_released: dict[str, list[int]] = {}  # per request, per group (see the class invariants)
         self.num_tokens: dict[str, int] = {}
@@ -109,6 +149,9 @@ class KVCacheManager:
     @property
     def capacity_tokens(self) -> int:
         """Tokens one sequence can hold in an otherwise empty pool (its tail runs included)."""
+        if self.streaming is not None:  # a streaming sequence's blocks stop growing
+            held = self.streaming.blocks_held(self.block_size, self.max_chunk_tokens) + self.tail_blocks
+            return 1 << 30 if held <= self.pool.num_usable_blocks else 0
         return capacity_tokens(self.groups, self.pool.num_usable_blocks, self.block_size, self.max_chunk_tokens,
                                self.tail_blocks)
 
@@ -117,6 +160,30 @@ class KVCacheManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return num_tokens <= self.capacity_tokens
+
+    def evicted_tokens(self, request_id: str) -> int:
+        """Absolute position - cache position of the request's tokens past its sinks."""
+        return self.evicted.get(request_id, 0)
+
+    def evict(self, request_id: str, first_query: int) -> Eviction | None:
+        """Streaming: free the blocks between the sinks and the window of a query at absolute
+        position ``first_query`` (the request's next token; every earlier one is computed) and
+        close the table up; None if nothing left."""
+        if self.streaming is None or request_id not in self.block_tables:
+            return None
+        size, evicted = self.block_size, self.evicted.get(request_id, 0)
+        sinks = self.streaming.sink_blocks(size)
+        drop = (first_query - self.streaming.window + 1) // size - sinks - evicted // size
+        if drop <= 0:
+            return None
+        table = self.block_tables[request_id][0]
+        dead = table[sinks : sinks + drop]
+        del table[sinks : sinks + drop]
+        self.pool.free_blocks(dead[::-1])
+        self.num_tokens[request_id] -= drop * size
+        self._logical_tokens -= drop * size
+        self.evicted[request_id] = evicted + drop * size
+        return Eviction([block.block_id for block in table[:sinks]], evicted + drop * size, evicted == 0)
 
     def _hashes(self, request_id: str, tokens: TokenReader, num_blocks: int) -> list[bytes]:
         """Keys of the request's first ``num_blocks`` full blocks (computed once, then kept)."""
@@ -210,6 +277,7 @@ class KVCacheManager:
         caching on, ``tokens`` reads the request's token ids, and every block that these tokens
         fill is published — except the last ``num_lookahead_tokens`` (speculative drafts, which
         may still be rejected: see rollback)."""
+        num_tokens -= self.evicted.get(request_id, 0)
         tables = self.block_tables.get(request_id)
         new = tables is None
         if not new and cached is not None and cached.num_blocks:
@@ -266,6 +334,7 @@ class KVCacheManager:
         (allocate_slots publishes no lookahead token), and the slots kept past the accepted
         tokens are rewritten before anything reads them."""
         tables = self.block_tables[request_id]
+        num_tokens -= self.evicted.get(request_id, 0)
         if num_tokens >= self.num_tokens[request_id]:
             return
         before = self._stored_tokens(request_id)
@@ -421,6 +490,7 @@ class KVCacheManager:
         state = self.swapped.pop(request_id, None)
         if state is not None and self.host_tier is not None:
             self.host_tier.release(state.slots)
+        self.evicted.pop(request_id, None)
         self._release_blocks(request_id)
 
     def _release_blocks(self, request_id: str) -> None:
@@ -470,9 +540,9 @@ class KVCacheManager:
                 [block.block_id for block in self._live_tables(request_id)[group]])
 
     def slot_mapping(self, request_id: str, start: int, end: int, group: int = 0) -> list[int]:
-        """Flat cache slot of each token position in [start, end) in ``group``'s table."""
-        table, size = self.block_tables[request_id][group], self.block_size
-        return [table[pos // size].block_id * size + pos % size for pos in range(start, end)]
+        """Flat cache slot of each token (absolute) position in [start, end) in ``group``'s table."""
+        table, size, shift = self.block_tables[request_id][group], self.block_size, self.evicted.get(request_id, 0)
+        return [table[pos // size].block_id * size + pos % size for pos in range(start - shift, end - shift)]
 
     @property
     def physical_tokens(self) -> int:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import KVCacheManager, StreamingWindow
 from kvserve.cache.kv_disk import DiskTier, namespace
 from kvserve.cache.kv_format import (
     KVLayout,
@@ -44,7 +44,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
-from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
+from kvserve.model.llama import LlamaForCausalLM, apply_rope, pack_linears_for_cpu, rope_at, rope_inv_freq
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger("kvserve")
@@ -163,9 +163,13 @@ class LLMEngine:
         disk_tier = self._disk_tier()
         if host_tier is not None:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+        self.streaming = self._streaming_window()
+        self._sink_keys: dict[str, list[torch.Tensor]] = {}  # streaming: each request's sink keys as written
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
+                                         config.enable_prefix_caching and self.streaming is None,
                                          self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
-                                         [group.spec for group in self.kv_groups], config.max_num_batched_tokens)
+                                         [group.spec for group in self.kv_groups], config.max_num_batched_tokens,
+                                         self.streaming)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
@@ -229,6 +233,41 @@ class LLMEngine:
                            self.draft.relative_cost if self.draft is not None else 0.0)
 
     # ------------------------------------------------------------------ start-up sizing
+
+    def _streaming_window(self) -> StreamingWindow | None:
+        """kv_eviction=streaming's window, where this engine can keep one (else a ConfigError)."""
+        cfg = self.config
+        if cfg.kv_eviction != "streaming":
+            return None
+        why = None
+        if self.model_config.mla is not None or len(self.kv_groups) != 1 or any(self.model_config.layer_windows):
+            why = "MLA and sliding-window models are not supported yet"
+        elif not all(layer.direct for layer in self.kv_cache.layers) or self.kv_cache.uses_tail:
+            why = f"the KV cache must be kept in a float dtype for now, not kv_cache_dtype={cfg.kv_cache_dtype}"
+        elif cfg.speculative_config is not None:
+            why = "speculative decoding does not combine with it yet"
+        if why is not None:
+            raise ConfigError(f"kv_eviction=streaming: {why}")
+        if cfg.enable_prefix_caching:
+            logger.info("kv_eviction=streaming: prefix caching is off (sink blocks are re-rotated in place)")
+        return StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window)
+
+    def _evict(self) -> None:
+        """Streaming: free each running request's blocks between its sinks and its window, and
+        turn its sink keys to their new cache positions (from the keys as first written, so that
+        rounding never accumulates)."""
+        inv_freq = None
+        for request in self.scheduler.running:
+            eviction = self.kv_manager.evict(request.request_id, request.num_computed_tokens)
+            if eviction is None:
+                continue
+            if eviction.first:
+                self._sink_keys[request.request_id] = self.kv_cache.read_keys(eviction.sink_block_ids)
+            if inv_freq is None:
+                inv_freq = rope_inv_freq(self.model_config).to(self.device)
+            cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), inv_freq)
+            self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
+                                                               for keys in self._sink_keys[request.request_id]])
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -458,6 +497,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that advanced."""
+        if self.streaming is not None:
+            self._evict()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         moves = self.kv_manager.take_tier_moves()  # every step, even one with nothing to run
@@ -472,6 +513,8 @@ class LLMEngine:
         if self.spec is not None:
             for victim in scheduled.preempted:
                 self.spec.proposer.free(victim.request_id)
+        if self.streaming is not None:  # a streaming sequence may outgrow the model's rotary tables
+            self.model.extend_rope(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
         sampled = self.runner.execute(chunks)
         self.kv_manager.record_step()  # peak figures as held during the forward pass
         self._watch_drift()
@@ -536,7 +579,9 @@ class LLMEngine:
                     reason, request.stop_reason = "stop", stop
                     break
         if reason is None and (
-            len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
+            len(request.output_token_ids) >= params.max_tokens
+            # a streaming request's attention spans stay within the window: no length limit
+            or (request.num_tokens >= self.max_model_len and self.streaming is None)
         ):
             reason = "length"
         if reason is not None:
@@ -546,6 +591,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
+        self._sink_keys.pop(request.request_id, None)
         if self.spec is not None:
             self.spec.free(request.request_id)
 

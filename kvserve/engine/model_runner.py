@@ -80,6 +80,12 @@ class ModelRunner:
             token_start += bucket[0].num_tokens * len(bucket)
         return groups
 
+    def _cache_len(self, chunk: ScheduledChunk) -> int:
+        """The chunk's sequence length in its cache after this step: its absolute length less
+        the tokens streaming eviction took out (rotary positions stay absolute)."""
+        request = chunk.request
+        return request.num_computed_tokens + chunk.num_tokens - self.kv.evicted_tokens(request.request_id)
+
     def _per_token_group(self, chunks: list[ScheduledChunk], kv_group: int) -> AttentionGroup:
         """One decode-kernel call for the leading ``chunks`` of the batch, one query per token:
         query i of a chunk of n sees the keys up to its own position (seq_len - n + 1 + i)."""
@@ -87,7 +93,7 @@ class ModelRunner:
         tables = [self.kv.block_ids(c.request.request_id, kv_group) for c in chunks]
         width = max(len(ids) for ids in tables)
         block_tables = torch.tensor([ids + [0] * (width - len(ids)) for ids in tables], device=self.device)
-        seen = [c.request.num_computed_tokens + 1 + i for c in chunks for i in range(c.num_tokens)]
+        seen = [self._cache_len(c) - c.num_tokens + 1 + i for c in chunks for i in range(c.num_tokens)]
         tail_slots = None
         if self.kv_cache.uses_tail:
             tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
@@ -101,7 +107,7 @@ class ModelRunner:
         block on, and keys out of the window are masked (the kernels take no window: such calls
         use the torch path)."""
         query_len = chunks[0].num_tokens
-        seq_lens = [c.request.num_computed_tokens + c.num_tokens for c in chunks]
+        seq_lens = [self._cache_len(c) for c in chunks]
         windowed = _windowed(chunks, window)
         # a window that cuts into the sequences reads each table from its first live block; else
         # every key is in every query's window: the whole table, plain causal attention

@@ -129,7 +129,13 @@ ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) float32 [max_positions, head_dim] for apply_rope and the C++ op."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return rope_at(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+
+
+def rope_at(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) float32 [len(positions), head_dim]: the rotation to each position, or
+    by each offset (rotations compose: turning a key cached at p by d puts it at p + d)."""
+    freqs = torch.outer(positions.float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     signed_sin = emb.sin()
     signed_sin[:, : emb.shape[1] // 2] *= -1
@@ -265,13 +271,25 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size**0.5 if config.embed_scale else None
-        cos, sin = rope_tables(rope_inv_freq(config), max_positions)
-        cos, sin = cos * rope_attention_factor(config), sin * rope_attention_factor(config)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        cos, sin = rope_tables(rope_inv_freq(config, local=True), max_positions) if self.uses_local_rope else (cos, sin)
-        self.register_buffer("local_rope_cos", cos, persistent=False)
-        self.register_buffer("local_rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.register_buffer("local_rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("local_rope_sin", torch.empty(0), persistent=False)
+        self.extend_rope(max_positions)
+
+    def extend_rope(self, max_positions: int) -> None:
+        """Rotary tables for positions below ``max_positions`` (at least). Streaming eviction
+        lets a sequence outgrow the model's context while its attention spans stay within it."""
+        if max_positions <= self.rope_cos.shape[0]:
+            return
+        config, device = self.config, self.rope_cos.device
+        size = max(max_positions, 2 * self.rope_cos.shape[0])
+        cos, sin = rope_tables(rope_inv_freq(config), size)
+        self.rope_cos = (cos * rope_attention_factor(config)).to(device)
+        self.rope_sin = (sin * rope_attention_factor(config)).to(device)
+        local = rope_tables(rope_inv_freq(config, local=True), size) if self.uses_local_rope else None
+        self.local_rope_cos = self.rope_cos if local is None else local[0].to(device)
+        self.local_rope_sin = self.rope_sin if local is None else local[1].to(device)
 
     def build_layers(self, config: ModelConfig, local_rope: list[bool]) -> list[nn.Module]:
         """The decoder layers: each is called (hidden, delta, ropes, kv, meta) -> (hidden, delta)."""

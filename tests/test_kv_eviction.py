@@ -1,0 +1,149 @@
+"""KV eviction: StreamingLLM's attention sinks + recent window in the paged cache."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.cache.kv_cache_manager import StreamingWindow
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine.engine import LLMEngine
+from tests.test_cache_invariants import check_manager
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(256) for _ in range(n)]
+
+
+def streaming_engine(model: Path, window: int, sinks: int = 4, block_size: int = 8, **kwargs: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=block_size,
+                                  kv_cache_memory=kwargs.pop("kv_cache_memory", "4MiB"), kv_eviction="streaming",
+                                  kv_sink_tokens=sinks, kv_window=window, **kwargs))
+
+
+def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                on_step: Callable[[LLMEngine], None] | None = None) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        check_manager(engine.kv_manager)
+        if on_step is not None:
+            on_step(engine)
+    assert engine.kv_manager.pool.num_used_blocks == 0, "blocks leaked"
+    return [outputs[i] for i in ids]
+
+
+def hf_streaming_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, sinks: int, window: int,
+                        block_size: int) -> list[int]:
+    """The same policy through HF's own model, cache and rotary code: before each decode step,
+    keep the first whole blocks covering ``sinks`` tokens and the blocks from the one holding
+    position (p - window + 1) on, for the new token at absolute position p; queries and the
+    window's keys keep absolute positions, the sink keys are turned by the evicted count from
+    their keys as first computed."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    sink_len = -(-sinks // block_size) * block_size
+    cache = DynamicCache()
+    tokens: list[int] = []
+    originals: list[torch.Tensor] | None = None
+    shift = 0
+    inputs = torch.tensor([prompt_ids])
+    positions = torch.arange(len(prompt_ids))[None]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            p = int(positions[0, -1])  # the query's absolute position
+            keep_from = (p - window + 1) // block_size * block_size
+            if positions.shape[1] == 1 and keep_from - sink_len > shift:
+                layers = cache.layers
+                if originals is None:
+                    originals = [layer.keys[:, :, :sink_len].clone() for layer in layers]
+                drop = keep_from - sink_len - shift  # cache entries past the sinks to remove
+                shift += drop
+                cos, sin = model.model.rotary_emb(originals[0], torch.tensor([[shift] * sink_len]))
+                for layer, original in zip(layers, originals, strict=True):
+                    turned, _ = apply_rotary_pos_emb(original, original, cos, sin)
+                    layer.keys = torch.cat([turned, layer.keys[:, :, sink_len + drop :]], dim=2)
+                    layer.values = torch.cat([layer.values[:, :, :sink_len], layer.values[:, :, sink_len + drop :]],
+                                             dim=2)
+            length = cache.get_seq_length()
+            out = model(input_ids=inputs, position_ids=positions, cache=cache, use_cache=True,
+                        cache_position=torch.arange(length, length + inputs.shape[1]))
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            inputs = torch.tensor([[token]])
+            positions = torch.tensor([[p + 1]])
+    return tokens
+
+
+def test_window_longer_than_the_sequence_changes_nothing(tiny_model_factory: Callable[..., Path]) -> None:
+    model = tiny_model_factory("llama")
+    prompts = [prompt(20, seed) for seed in range(3)]
+    plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    expected = [o.token_ids for o in plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                              ignore_eos=True))]
+    engine = streaming_engine(model, window=64)
+    assert run_checked(engine, prompts, 40) == expected
+    assert engine.kv_manager.evicted == {}
+
+
+@pytest.mark.parametrize("block_size,sinks,window", [(8, 4, 32), (16, 16, 24), (1, 4, 20)])
+def test_streaming_matches_hf_with_the_same_policy(tiny_model_factory: Callable[..., Path], block_size: int,
+                                                   sinks: int, window: int) -> None:
+    """Evicting blocks and turning the sinks' keys gives HF transformers' tokens when its own
+    cache is cut the same way (fp32, 120 tokens: many evictions, the longest sequence 3x the
+    window)."""
+    import transformers
+
+    model = tiny_model_factory("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    prompts = [prompt(18, seed) for seed in range(2)]
+    expected = [hf_streaming_greedy(hf, p, 120, sinks, window, block_size) for p in prompts]
+    engine = streaming_engine(model, window=window, sinks=sinks, block_size=block_size)
+    assert run_checked(engine, prompts, 120) == expected
+    # and without turning the sinks the tokens differ: the test sees the rotation
+    assert expected != [hf_streaming_greedy(hf, p, 120, sinks, 10**9, block_size) for p in prompts]
+
+
+def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Callable[..., Path]) -> None:
+    """600 tokens past a 20-token prompt (the tiny model's context is 512) with a 32-token
+    window: from the first eviction on, each request holds a constant number of blocks."""
+    model = tiny_model_factory("llama")
+    engine = streaming_engine(model, window=32, sinks=4, block_size=8)
+    window = StreamingWindow(4, 32)
+    bound = window.blocks_held(8)
+    held: list[int] = []
+
+    def record(engine: LLMEngine) -> None:
+        tables = engine.kv_manager.block_tables
+        assert all(len(t[0]) <= bound for t in tables.values()), "a table outgrew the window"
+        if len(tables) == 2:
+            held.append(engine.kv_manager.pool.num_used_blocks)
+
+    outputs = run_checked(engine, [prompt(20, 1), prompt(20, 2)], 600, record)
+    assert [len(o) for o in outputs] == [600, 600]
+    steady = held[len(held) // 4 :]
+    assert max(steady) <= 2 * bound and max(steady) - min(steady) <= 2  # one block each, as blocks fill
+    assert engine.kv_manager.capacity_tokens == 1 << 30
+
+
+def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..., Path]) -> None:
+    model = tiny_model_factory("llama")
+    with pytest.raises(ConfigError, match="kv_eviction must be one of"):
+        EngineConfig(model=str(model), kv_eviction="snapkv2")
+    with pytest.raises(ConfigError, match="kv_window must be an integer >= 1"):
+        EngineConfig(model=str(model), kv_eviction="streaming", kv_window=0)
+    with pytest.raises(ConfigError, match="kv_cache_dtype=int8"):
+        streaming_engine(model, window=32, kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        streaming_engine(model, window=32, speculative_config={"method": "ngram"})
