@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvserve.cache.kv_cache_manager import KVCacheManager, TokenReader, cdiv
+from kvserve.cache.kv_cache_manager import KVCacheManager, StreamingWindow, TokenReader, cdiv
 from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
 from kvserve.cache.kv_tiers import TierIndex
 from kvserve.engine.request import Request, RequestStatus
@@ -233,3 +233,70 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
         if r.request_id not in aborted:
             expected = min(r.params.max_tokens, max_len - r.num_prompt_tokens)
             assert r.output_token_ids == list(range(max(expected, 1)))
+
+
+@given(st.sampled_from([1, 4, 16]), st.integers(0, 20), st.integers(1, 40), st.integers(1, 64),
+       st.lists(st.tuples(st.integers(1, 60), st.integers(1, 200)), min_size=1, max_size=8),
+       st.sampled_from([0, 40]), st.randoms(use_true_random=False))
+@settings(max_examples=100, deadline=None)
+def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, budget, specs, tier_blocks,  # type: ignore[no-untyped-def]
+                                                   rnd) -> None:
+    """The scheduler and a streaming manager (evict before each step, as the engine does), with
+    bookkeeping in place of the model: each table holds its sink blocks (the same blocks from
+    the first eviction on) and its window, never more than StreamingWindow.blocks_held; the
+    accounting holds after every step, with aborts and preemption; nothing leaks."""
+    streaming = StreamingWindow(sinks, window)
+    held = streaming.blocks_held(block_size, budget)
+    num_blocks = 1 + held * 2 + rnd.randint(0, held)  # room for two or three requests: preemption
+    tier = TierIndex("cpu", tier_blocks, 1) if tier_blocks else None
+    kv = KVCacheManager(num_blocks, block_size, host_tier=tier, max_chunk_tokens=budget, streaming=streaming)
+    sched = Scheduler(kv, 4, budget, preemption_mode="swap" if tier else "recompute")
+    requests = [Request(f"r{i}", [1] * prompt, SamplingParams(max_tokens=out), i) for i, (prompt, out) in
+                enumerate(specs)]
+    for r in requests:
+        sched.add(r)
+    sink_ids: dict[str, list[int]] = {}
+    steps = 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps < 20000, "no progress"
+        for r in sched.running:
+            eviction = kv.evict(r.request_id, r.num_computed_tokens)
+            if eviction is not None:
+                assert eviction.shift == kv.evicted_tokens(r.request_id) and eviction.shift % block_size == 0
+                if eviction.first:
+                    sink_ids[r.request_id] = eviction.sink_block_ids
+                assert eviction.sink_block_ids == sink_ids[r.request_id]
+        if sched.running and rnd.random() < 0.03:
+            sched.finish(rnd.choice(sched.running), "abort")
+        scheduled = sched.schedule()
+        for r in scheduled.preempted:
+            if r.status is RequestStatus.WAITING:  # recomputed: evicts afresh
+                sink_ids.pop(r.request_id, None)
+                assert kv.evicted_tokens(r.request_id) == 0
+        if tier is not None:
+            tier.take_moves()
+        written: list[int] = []
+        for c in scheduled.chunks:
+            r = c.request
+            written += kv.slot_mapping(r.request_id, r.num_computed_tokens, r.num_computed_tokens + c.num_tokens)
+        assert len(set(written)) == len(written) and (not written or min(written) >= block_size)
+        for c in scheduled.chunks:
+            r = c.request
+            done = c.completes_sequence
+            r.num_computed_tokens += c.num_tokens
+            first_query = r.num_computed_tokens - c.num_tokens  # the window is kept for the chunk's first query
+            table = kv.block_tables[r.request_id][0]
+            assert len(table) <= held
+            sink = streaming.sink_blocks(block_size)
+            if kv.evicted_tokens(r.request_id):  # the window's blocks start where the first query needs them
+                assert (kv.evicted_tokens(r.request_id) + sink * block_size) // block_size == \
+                    (first_query - window + 1) // block_size
+            if done:
+                r.output_token_ids.append(len(r.output_token_ids))
+                if len(r.output_token_ids) >= r.params.max_tokens:
+                    sched.finish(r, "length")
+        check_manager(kv)
+        for r in sched.running:
+            assert kv.num_tokens[r.request_id] + kv.evicted_tokens(r.request_id) == r.num_computed_tokens
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and not kv.evicted

@@ -145,5 +145,28 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
         EngineConfig(model=str(model), kv_eviction="streaming", kv_window=0)
     with pytest.raises(ConfigError, match="kv_cache_dtype=int8"):
         streaming_engine(model, window=32, kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="fewer than the 8 one streaming request needs"):
+        streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="16KiB")
     with pytest.raises(ConfigError, match="speculative decoding"):
         streaming_engine(model, window=32, speculative_config={"method": "ngram"})
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_streaming_under_preemption(tiny_model_factory: Callable[..., Path], mode: str) -> None:
+    """Three streaming requests in a pool of 14 blocks where each holds up to 6 while decoding
+    (a sink block, a 32-token window and the block being filled): requests are preempted and
+    come back. Swapped ones keep their evicted state and give the tokens of an unpreempted run;
+    recomputed ones evict afresh (each completes; nothing leaks)."""
+    model = tiny_model_factory("llama")
+    prompts = [prompt(20, seed) for seed in range(3)]
+    roomy = streaming_engine(model, window=32, max_num_batched_tokens=16)
+    expected = run_checked(roomy, prompts, 150)
+    assert roomy.num_preemptions == 0
+    tight = streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="60KiB",
+                             preemption_mode=mode, kv_offload_memory="1MiB" if mode == "swap" else None)
+    outputs = run_checked(tight, prompts, 150)
+    assert tight.num_preemptions > 0
+    if mode == "swap":
+        assert outputs == expected and tight.kv_manager.num_swaps_in > 0
+    else:
+        assert [len(o) for o in outputs] == [150] * 3

@@ -350,6 +350,14 @@ class LLMEngine:
                 f"{' and a full-precision tail block' if self.tail_blocks else ''})")
         capacity = capacity_tokens([g.spec for g in self.kv_groups], num_blocks - 1, cfg.block_size,
                                    cfg.max_num_batched_tokens, self.tail_blocks)
+        if cfg.kv_eviction == "streaming":  # a request holds its sinks and window, however long it grows
+            held = StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window).blocks_held(
+                cfg.block_size, cfg.max_num_batched_tokens) + self.tail_blocks
+            if held > num_blocks - 1:
+                raise ConfigError(f"{source} holds {num_blocks - 1} blocks, fewer than the {held} one streaming "
+                                  f"request needs (kv_window={cfg.kv_window} plus a chunk of "
+                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens})")
+            capacity = max(capacity, self.max_model_len)
         if capacity < self.max_model_len:
             if cfg.max_model_len is not None:
                 raise ConfigError(
