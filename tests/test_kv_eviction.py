@@ -135,6 +135,8 @@ def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Cal
     steady = held[len(held) // 4 :]
     assert max(steady) <= 2 * bound and max(steady) - min(steady) <= 2  # one block each, as blocks fill
     assert engine.kv_manager.capacity_tokens == 1 << 30
+    stats = engine.kv_stats()  # each request kept at most its sinks and window of its 620 tokens
+    assert stats.evicted_tokens >= 2 * (620 - bound * 8) and stats.evicted_tokens_now == 0
 
 
 def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..., Path]) -> None:

@@ -120,6 +120,7 @@ class KVCacheManager:
         # tokens evicted from each request's table (streaming): its table holds cache positions,
         # which are absolute positions less this past the sinks
         self.evicted: dict[str, int] = {}
+        self.num_evicted_tokens = 0  # since start
         self.block_tables: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
         self.num_released: dict[str, list[int]] = {}  # per request, per group (see the class invariants)
         self.num_tokens: dict[str, int] = {}
@@ -183,6 +184,7 @@ class KVCacheManager:
         self.num_tokens[request_id] -= drop * size
         self._logical_tokens -= drop * size
         self.evicted[request_id] = evicted + drop * size
+        self.num_evicted_tokens += drop * size
         return Eviction([block.block_id for block in table[:sinks]], evicted + drop * size, evicted == 0)
 
     def _hashes(self, request_id: str, tokens: TokenReader, num_blocks: int) -> list[bytes]:
@@ -589,6 +591,7 @@ class KVCacheManager:
             swaps_out=self.num_swaps_out, swaps_in=self.num_swaps_in, swap_fallbacks=self.num_swap_fallbacks,
             num_swapped=len(self.swapped),
             groups=self.group_stats(),
+            evicted_tokens=self.num_evicted_tokens, evicted_tokens_now=sum(self.evicted.values()),
         )
 
     def group_stats(self) -> list[KVGroupStats]:

@@ -109,6 +109,10 @@ class KVCacheStats:
     num_swapped: int = 0  # requests whose blocks wait in tier 1 now
     groups: list[KVGroupStats] = field(default_factory=list)  # per KV cache group (one for plain models)
     spec_decode: SpecDecodeStats | None = None  # set by the engine when speculative decoding is on
+    # streaming eviction: tokens whose K/V were evicted since start, and those the running (or
+    # swapped-out) requests hold out of the pool now (what eviction saves at this moment)
+    evicted_tokens: int = 0
+    evicted_tokens_now: int = 0
 
     @property
     def usage(self) -> float:

@@ -206,7 +206,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "tiers": [t._asdict() for t in s.tiers], "swaps_out": s.swaps_out, "swaps_in": s.swaps_in,
                 "swap_fallbacks": s.swap_fallbacks, "num_swapped": s.num_swapped,
                 "groups": [asdict(g) for g in s.groups], "per_request_blocks": s.per_request_blocks,
-                "spec_decode": _spec_decode_json(s.spec_decode)}
+                "spec_decode": _spec_decode_json(s.spec_decode),
+                "evicted_tokens": s.evicted_tokens, "evicted_tokens_now": s.evicted_tokens_now}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:
