@@ -118,7 +118,25 @@ def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file
     assert "ΔPPL" in capsys.readouterr().out
 
 
+def test_eval_scores_streaming_eviction(tmp_path: Path) -> None:
+    """SmolLM2 on 512-token windows of held-out text, chunks of 32: a streaming window as long
+    as the text changes nothing; a 64-token window costs perplexity and holds 4x the sequences."""
+    text = tmp_path / "heldout.txt"
+    text.write_text("\n\n".join(stdlib_docstrings()[:40]))
+    out = tmp_path / "report"
+    assert main(["eval", "--data", str(text), "--num-tokens", "512", "--context", "512", "--chunk", "32",
+                 "--kv-cache-dtype", "auto", "--kv-eviction", "none,streaming", "--kv-window", "64,1024",
+                 "--kv-cache-memory", "64MiB", "--out", str(out), "--quiet"]) == 0
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert rows["auto streaming 1024"]["mean_kl"] == 0 and rows["auto streaming 1024"]["delta_ppl_pct"] == 0
+    evicting = rows["auto streaming 64"]
+    assert evicting["mean_kl"] > 0.01 and evicting["delta_ppl_pct"] > 1 and evicting["top1_agreement"] < 1
+    assert evicting["max_concurrency"] >= 4 * rows["auto"]["max_concurrency"]
+
+
 @pytest.mark.parametrize("args,message", [
+    (["eval", "--kv-eviction", "none,snap"], "--kv-eviction 'snap': expected none or streaming"),
+    (["eval", "--kv-eviction", "streaming", "--kv-window", "64,x"], "--kv-window '64,x'"),
     (["eval", "--kv-cache-dtype", "auto,int9"], "unknown KV cache dtype 'int9'"),
     (["eval", "--kv-cache-dtype", "int8:perchannel"], "key scales must be one of"),
     (["calibrate"], "give --data"),

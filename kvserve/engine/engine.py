@@ -165,6 +165,7 @@ class LLMEngine:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
         self.streaming = self._streaming_window()
         self._sink_keys: dict[str, list[torch.Tensor]] = {}  # streaming: each request's sink keys as written
+        self._inv_freq: torch.Tensor | None = None
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
                                          config.enable_prefix_caching and self.streaming is None,
                                          self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
@@ -252,22 +253,20 @@ class LLMEngine:
             logger.info("kv_eviction=streaming: prefix caching is off (sink blocks are re-rotated in place)")
         return StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window)
 
-    def _evict(self) -> None:
-        """Streaming: free each running request's blocks between its sinks and its window, and
-        turn its sink keys to their new cache positions (from the keys as first written, so that
-        rounding never accumulates)."""
-        inv_freq = None
-        for request in self.scheduler.running:
-            eviction = self.kv_manager.evict(request.request_id, request.num_computed_tokens)
-            if eviction is None:
-                continue
-            if eviction.first:
-                self._sink_keys[request.request_id] = self.kv_cache.read_keys(eviction.sink_block_ids)
-            if inv_freq is None:
-                inv_freq = rope_inv_freq(self.model_config).to(self.device)
-            cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), inv_freq)
-            self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
-                                                               for keys in self._sink_keys[request.request_id]])
+    def evict(self, request: Request) -> None:
+        """Streaming: free the request's blocks between its sinks and the window of its next
+        token, and turn its sink keys to their new cache positions (from the keys as first
+        written, so that rounding never accumulates). Before a step computes the request."""
+        eviction = self.kv_manager.evict(request.request_id, request.num_computed_tokens)
+        if eviction is None:
+            return
+        if eviction.first:
+            self._sink_keys[request.request_id] = self.kv_cache.read_keys(eviction.sink_block_ids)
+        if self._inv_freq is None:
+            self._inv_freq = rope_inv_freq(self.model_config).to(self.device)
+        cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), self._inv_freq)
+        self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
+                                                           for keys in self._sink_keys[request.request_id]])
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -506,7 +505,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that advanced."""
         if self.streaming is not None:
-            self._evict()
+            for request in self.scheduler.running:
+                self.evict(request)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         moves = self.kv_manager.take_tier_moves()  # every step, even one with nothing to run

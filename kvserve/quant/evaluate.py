@@ -31,9 +31,10 @@ from kvserve.quant.data import read_samples, token_stream
 
 
 class Variant(NamedTuple):
-    name: str  # as given: "int8", "int4:block", "int8:global"
+    name: str  # as given: "int8", "int4:block", "int8:global"; "auto streaming 256" for an eviction row
     kv_dtype: str
     key_scales: str  # auto, static, block, global
+    kv_window: int = 0  # > 0: kv_eviction=streaming with this window
 
 
 class EvalResult(NamedTuple):
@@ -66,6 +67,24 @@ def parse_variants(text: str) -> list[Variant]:
     return variants
 
 
+def streaming_variants(reference: Variant, evictions: str, windows: str) -> list[Variant]:
+    """Rows for ``--kv-eviction none,streaming --kv-window W1,W2``: the reference KV dtype with
+    StreamingLLM eviction at each window (``none`` is the reference row itself)."""
+    names = [e.strip() for e in evictions.split(",") if e.strip()]
+    bad = [e for e in names if e not in ("none", "streaming")]
+    if bad:
+        raise ConfigError(f"--kv-eviction {bad[0]!r}: expected none or streaming")
+    if "streaming" not in names:
+        return []
+    try:
+        sizes = [int(w) for w in windows.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--kv-window {windows!r}: expected comma-separated token counts") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--kv-window {windows!r}: expected token counts >= 1")
+    return [Variant(f"{reference.name} streaming {w}", reference.kv_dtype, reference.key_scales, w) for w in sizes]
+
+
 def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
     """Log-probabilities [len-1, vocab] (float32) of each next token, from chunked prefill
     through the engine's paged cache (its blocks are freed afterwards)."""
@@ -75,6 +94,8 @@ def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> tor
     try:
         for start in range(0, len(tokens), chunk):
             end = min(len(tokens), start + chunk)
+            if engine.streaming is not None:  # each chunk's first query keeps the sinks and its window
+                engine.evict(request)
             if not kv.allocate_slots(request.request_id, end):
                 raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
             _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
@@ -101,14 +122,16 @@ class _Totals:
 
 def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[Variant], *, context: int,
              chunk: int, kv_scales: str | None, kv_cache_memory: str, block_size: int,
-             progress: bool = True) -> list[EvalResult]:
+             progress: bool = True, kv_sink_tokens: int = 4) -> list[EvalResult]:
     """Score ``tokens`` in windows of ``context`` under every variant; the first is the reference."""
     engines = []
     for v in variants:
         config = EngineConfig(model=model, kv_cache_dtype=v.kv_dtype, kv_key_scales=v.key_scales,
                            kv_scales=kv_scales, block_size=block_size,
                            kv_cache_memory=kv_cache_memory, enable_prefix_caching=False, max_num_seqs=1,
-                           max_model_len=context)
+                           max_model_len=context, max_num_batched_tokens=chunk,
+                           kv_eviction="streaming" if v.kv_window else "none", kv_window=v.kv_window or 1024,
+                           kv_sink_tokens=kv_sink_tokens)
         engines.append(LLMEngine(config, loaded=loaded))
     windows = [tokens[i : i + context] for i in range(0, len(tokens), context)]
     windows = [w for w in windows if len(w) > 1]
@@ -148,9 +171,18 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
         results.append(EvalResult(
             v.name, engine.kv_cache_dtype, mode, t.count, ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.count,
             t.agree / t.count, engine.kv_bytes_per_token, engine.kv_bytes_per_token / fp16_per_token,
-            budget // (cdiv(context, block_size) * engine.kv_block_bytes + engine.kv_tail_bytes), engine.clip_ratio(),
-            secs))
+            budget // (held_blocks(engine, context, chunk) * engine.kv_block_bytes + engine.kv_tail_bytes),
+            engine.clip_ratio(), secs))
     return results
+
+
+def held_blocks(engine: LLMEngine, context: int, chunk: int) -> int:
+    """Blocks one window of ``context`` tokens holds at its peak: all of them, or with streaming
+    eviction its sinks, its window and a chunk."""
+    size = engine.config.block_size
+    if engine.streaming is not None:
+        return min(cdiv(context, size), engine.streaming.blocks_held(size, chunk))
+    return cdiv(context, size)
 
 
 def table(results: list[EvalResult]) -> str:
@@ -194,6 +226,11 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto,fp8_e4m3,int8,int4",
                         help="comma-separated variants, the first is the reference; DTYPE[:static|block|global]")
     parser.add_argument("--kv-scales", default=None, help="calibration file (kvserve calibrate)")
+    parser.add_argument("--kv-eviction", default="none",
+                        help="none,streaming: also score the reference dtype with StreamingLLM eviction at each "
+                             "--kv-window (a chunk's first query keeps the sinks and its window)")
+    parser.add_argument("--kv-window", default="256,512,1024", help="streaming windows to score, comma-separated")
+    parser.add_argument("--kv-sink-tokens", type=int, default=4, help="streaming: attention sink tokens")
     parser.add_argument("--num-tokens", type=int, default=20480, help="held-out tokens to score")
     parser.add_argument("--context", type=int, default=2048, help="window length: contexts up to this")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read the cache)")
@@ -209,6 +246,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if getattr(args, name) < 2:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
     variants = parse_variants(args.kv_cache_dtype)
+    variants += streaming_variants(variants[0], args.kv_eviction, args.kv_window)
     probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)  # validates
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
@@ -227,7 +265,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           f"{args.num_tokens}")
     results = evaluate(loaded, args.model, tokens, variants, context=args.context, chunk=args.chunk,
                        kv_scales=args.kv_scales, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                       progress=not args.quiet)
+                       progress=not args.quiet, kv_sink_tokens=args.kv_sink_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"model": args.model, "data": args.data, "tokens": len(tokens), "context": args.context,
