@@ -12,6 +12,13 @@ the tokens after it move bs positions earlier, and keys are cached after RoPE, s
 Per decode step (bf16, 30 layers, 3 KV heads of 64, block size 16, 4 sink tokens): the time each
 way adds, amortized over the bs steps between evictions, and the error that in-place
 re-rotation accumulates in bf16 keys over the W / bs evictions a key lives through.
+
+    python benchmarks/kv_eviction.py --ppl-curve 20480 --out docs/results/kv_eviction_curve.json
+
+scores the built-in held-out text teacher-forced in chunks of 32 tokens, one sequence of that
+many tokens, with the full cache (up to SmolLM2's 8,192 positions), StreamingLLM (4 sink tokens,
+a 1,024-token window) and the window alone, checks the streaming request's blocks after every
+chunk, and plots the negative log-likelihood per 1,024 tokens (kv_eviction_curve.png).
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import cpu_name
 
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine, load_model
+from kvserve.engine.request import Request
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.model.llama import apply_rope, rope_at, rope_inv_freq
 from kvserve.model.loader import ModelConfig
 
@@ -97,12 +109,88 @@ def accumulated_error(window: int, inv_freq: torch.Tensor) -> dict[str, float]:
             "once_rel_error": float(((once.float() - exact).norm(dim=-1) / norm).mean())}
 
 
+def nll_curve(engine: LLMEngine, tokens: list[int], chunk: int, bound: int | None) -> list[float]:
+    """Negative log-likelihood of each next token, teacher-forced chunk by chunk through the
+    engine (evicting before each chunk when it streams); ``bound``: the most blocks the request
+    may hold, checked after every chunk."""
+    request = Request("curve", list(tokens), SamplingParams(max_tokens=1), -1)
+    kv, nll = engine.kv_manager, []
+    from tqdm import tqdm
+
+    for start in tqdm(range(0, len(tokens) - 1, chunk), desc=engine.config.kv_eviction, unit="chunk", mininterval=10):
+        end = min(len(tokens), start + chunk)
+        if engine.streaming is not None:
+            engine.evict(request)
+        assert kv.allocate_slots(request.request_id, end)
+        if bound is not None:
+            assert len(kv.block_tables[request.request_id][0]) <= bound, "the streaming request outgrew its bound"
+        engine.model.extend_rope(end)
+        _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
+        request.num_computed_tokens = end
+        logprobs = torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
+        targets = torch.tensor(tokens[start + 1 : end + 1])
+        nll += (-logprobs[: len(targets)].gather(1, targets[:, None])[:, 0]).tolist()
+    kv.free(request.request_id)
+    return nll
+
+
+def ppl_curve(num_tokens: int, out: Path | None, chunk: int = 32, window: int = 1024) -> None:
+    from kvserve.quant.data import read_samples, token_stream
+
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    tokenizer = loaded.tokenizer
+    assert tokenizer is not None
+    tokens = token_stream(read_samples("builtin:python-reference"), lambda text: list(tokenizer.encode(text)),
+                          lambda messages: list(tokenizer.apply_chat_template(messages, tokenize=True)), num_tokens)
+    limit = loaded.config.max_position_embeddings
+    curves: dict[str, list[float]] = {}
+    for name, kwargs, length in (
+            ("full cache", {}, min(num_tokens, limit)),
+            (f"streaming (4 sinks + {window})", {"kv_eviction": "streaming", "kv_window": window}, num_tokens),
+            (f"window {window} alone", {"kv_eviction": "streaming", "kv_window": window, "kv_sink_tokens": 0},
+             num_tokens)):
+        engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_memory="2GiB",
+                                        enable_prefix_caching=False, max_num_batched_tokens=chunk, **kwargs),
+                           loaded=loaded)
+        bound = engine.streaming.blocks_held(16, chunk) if engine.streaming is not None else None
+        curves[name] = nll_curve(engine, tokens[:length], chunk, bound)
+    bucket = 1024
+    table = {name: [sum(c[i : i + bucket]) / len(c[i : i + bucket]) for i in range(0, len(c), bucket)]
+             for name, c in curves.items()}
+    for name, values in table.items():
+        print(f"{name:28s} " + " ".join(f"{v:.2f}" for v in values))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cpu": cpu_name(), "chunk": chunk, "window": window, "bucket": bucket,
+                                   "model_positions": limit, "mean_nll_per_bucket": table}, indent=1))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name, values in table.items():
+            ax.plot([bucket * (i + 0.5) for i in range(len(values))], values, marker="o", label=name)
+        ax.axvline(limit, color="grey", linestyle=":", label=f"SmolLM2's {limit} positions")
+        ax.set_xlabel("token position")
+        ax.set_ylabel(f"mean NLL per {bucket} tokens")
+        ax.set_title("SmolLM2-135M, teacher-forced held-out text")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--ppl-curve", type=int, default=0, metavar="TOKENS",
+                        help="only score one sequence of this many held-out tokens (see the module docstring)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.ppl_curve:
+        ppl_curve(args.ppl_curve, args.out)
+        return
     config = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_layers=LAYERS, num_heads=9, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
