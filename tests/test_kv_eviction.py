@@ -134,7 +134,6 @@ def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Cal
     assert [len(o) for o in outputs] == [600, 600]
     steady = held[len(held) // 4 :]
     assert max(steady) <= 2 * bound and max(steady) - min(steady) <= 2  # one block each, as blocks fill
-    assert engine.kv_manager.capacity_tokens == 1 << 30
     stats = engine.kv_stats()  # each request kept at most its sinks and window of its 620 tokens
     assert stats.evicted_tokens >= 2 * (620 - bound * 8) and stats.evicted_tokens_now == 0
 
@@ -172,3 +171,39 @@ def test_streaming_under_preemption(tiny_model_factory: Callable[..., Path], mod
         assert outputs == expected and tight.kv_manager.num_swaps_in > 0
     else:
         assert [len(o) for o in outputs] == [150] * 3
+
+
+def test_per_request_streaming_beside_full_requests(tiny_model_factory: Callable[..., Path]) -> None:
+    """On an engine that keeps every block by default (prefix caching on), a request asking for
+    streaming gets exactly what an all-streaming engine gives it, while the others are untouched
+    and the streaming request neither publishes nor reuses cached blocks."""
+    model = tiny_model_factory("llama")
+    prompts = [prompt(20, seed) for seed in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB")
+    expected_plain = [o.token_ids for o in plain.generate(prompts, greedy)]
+    expected_stream = run_checked(streaming_engine(model, window=32), prompts[:1], 120)
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB"))
+    streaming = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, kv_eviction="streaming",
+                               kv_window=32, kv_sink_tokens=4)
+    ids = [engine.add_request(prompts[0], streaming).request_id] + \
+        [engine.add_request(p, greedy).request_id for p in prompts[1:]]
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        check_manager(engine.kv_manager)
+        tables = engine.kv_manager.block_tables
+        if ids[0] in tables:
+            assert len(tables[ids[0]][0]) <= StreamingWindow(4, 32).blocks_held(8, 2048)
+    assert [outputs[i] for i in ids] == expected_stream + expected_plain[1:]
+    assert engine.kv_stats().evicted_tokens > 0 and not engine.kv_manager.windows
+    # the same prompt again: the full request hits the cache, the streaming one does not
+    full = engine.add_request(prompts[1], SamplingParams(max_tokens=1)).request_id
+    stream = engine.add_request(prompts[1], SamplingParams(max_tokens=1, kv_eviction="streaming",
+                                                           kv_window=32)).request_id
+    after_stream = engine.add_request(prompts[0], SamplingParams(max_tokens=1)).request_id  # never published
+    cached = {out.request_id: out.num_cached_tokens for out in engine.step()}
+    assert cached == {full: 16, stream: 0, after_stream: 0}
+    with pytest.raises(ValueError, match="kv_window=4096 is more than this server's kv_window=1024"):
+        engine.add_request(prompts[0], SamplingParams(kv_eviction="streaming", kv_window=4096))

@@ -91,6 +91,9 @@ def still_serving(base: str) -> None:
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "kv_eviction": "streaming", "kv_window": 4096}, "kv_window",
+     "kv_window=4096 is more than this server's kv_window=1024"),
+    ("/v1/completions", {"prompt": "hi", "kv_eviction": "snapkv"}, "kv_eviction", "streaming"),
 ])
 def test_bad_requests_get_a_400_naming_the_field(api: dict[str, Any], path: str, body: dict[str, Any],
                                                  param: str, fragment: str) -> None:
@@ -134,6 +137,18 @@ def test_max_tokens_fills_the_context_only_when_not_asked(api: dict[str, Any]) -
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8  # min(16, 128 - 120)
     r = post(api["base"], "/v1/completions", {"prompt": [5] * 120, "max_tokens": 8, "ignore_eos": True})
     assert r.status_code == 200
+
+
+def test_a_streaming_request_runs_past_max_model_len(api: dict[str, Any]) -> None:
+    """kv_eviction in the body (vLLM-style extra parameters): 100 prompt tokens + 200 generated
+    on a server of max_model_len 128, the request's KV bounded by its 32-token window."""
+    before = httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"]
+    r = post(api["base"], "/v1/completions", {"prompt": [5] * 100, "max_tokens": 200, "ignore_eos": True,
+                                              "kv_eviction": "streaming", "kv_window": 32, "kv_sink_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 200
+    assert httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"] - before >= 300 - 32 - 3 * 16
+    still_serving(api["base"])
 
 
 def test_waiting_limit_holds_under_a_burst(tiny_chat_model: LoadedModel) -> None:

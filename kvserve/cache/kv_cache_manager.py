@@ -107,16 +107,18 @@ class KVCacheManager:
         (kv_format.tail_blocks), the aligned run of pool blocks that holds one; every request
         holding blocks then holds one run per group, taken with its first blocks and freed with
         them. ``max_chunk_tokens``: the longest chunk a step computes (sizes sliding groups).
-        ``streaming``: evict every request's middle blocks (one group, no prefix caching: the
-        sink blocks are re-rotated in place, so they could not be shared)."""
-        if streaming is not None and (len(groups) != 1 or groups[0].sliding_window or enable_prefix_caching):
-            raise ValueError("streaming eviction takes one full-attention group and no prefix caching")
+        ``streaming``: the default window of every request (set_window overrides it per request);
+        streaming takes one full-attention group. A streaming request neither publishes blocks
+        nor starts from cached ones: its sink blocks are turned in place, so none can be shared."""
+        if streaming is not None and (len(groups) != 1 or groups[0].sliding_window):
+            raise ValueError("streaming eviction takes one full-attention group")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.groups = list(groups)
         self.max_chunk_tokens = max_chunk_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.streaming = streaming
+        self.windows: dict[str, StreamingWindow | None] = {}  # per-request overrides of ``streaming``
         # tokens evicted from each request's table (streaming): its table holds cache positions,
         # which are absolute positions less this past the sinks
         self.evicted: dict[str, int] = {}
@@ -149,10 +151,8 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        """Tokens one sequence can hold in an otherwise empty pool (its tail runs included)."""
-        if self.streaming is not None:  # a streaming sequence's blocks stop growing
-            held = self.streaming.blocks_held(self.block_size, self.max_chunk_tokens) + self.tail_blocks
-            return 1 << 30 if held <= self.pool.num_usable_blocks else 0
+        """Tokens one sequence that keeps every block can hold in an otherwise empty pool (its
+        tail runs included); a streaming one holds at most StreamingWindow.blocks_held."""
         return capacity_tokens(self.groups, self.pool.num_usable_blocks, self.block_size, self.max_chunk_tokens,
                                self.tail_blocks)
 
@@ -162,6 +162,21 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return num_tokens <= self.capacity_tokens
 
+    def set_window(self, request_id: str, window: StreamingWindow | None) -> None:
+        """The request streams with ``window`` (None: it keeps every block) whatever the default;
+        before its first allocation, until forget()."""
+        if window is not None and (len(self.groups) != 1 or self.groups[0].sliding_window):
+            raise ValueError("streaming eviction takes one full-attention group")
+        self.windows[request_id] = window
+
+    def window_of(self, request_id: str) -> StreamingWindow | None:
+        return self.windows.get(request_id, self.streaming)
+
+    @property
+    def streams(self) -> bool:
+        """Some request may stream."""
+        return self.streaming is not None or any(w is not None for w in self.windows.values())
+
     def evicted_tokens(self, request_id: str) -> int:
         """Absolute position - cache position of the request's tokens past its sinks."""
         return self.evicted.get(request_id, 0)
@@ -170,11 +185,12 @@ class KVCacheManager:
         """Streaming: free the blocks between the sinks and the window of a query at absolute
         position ``first_query`` (the request's next token; every earlier one is computed) and
         close the table up; None if nothing left."""
-        if self.streaming is None or request_id not in self.block_tables:
+        window = self.window_of(request_id)
+        if window is None or request_id not in self.block_tables:
             return None
         size, evicted = self.block_size, self.evicted.get(request_id, 0)
-        sinks = self.streaming.sink_blocks(size)
-        drop = (first_query - self.streaming.window + 1) // size - sinks - evicted // size
+        sinks = window.sink_blocks(size)
+        drop = (first_query - window.window + 1) // size - sinks - evicted // size
         if drop <= 0:
             return None
         table = self.block_tables[request_id][0]
@@ -211,7 +227,7 @@ class KVCacheManager:
         count. Takes no references (see allocate_slots) and counts nothing (see
         record_prefix_lookup): a request the pool cannot admit yet looks again."""
         groups = len(self.groups)
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self.window_of(request_id) is not None:
             return CachedPrefix(0, [[] for _ in range(groups)])
         hashes = self._hashes(request_id, tokens, (num_tokens - 1) // self.block_size)
         hashes = hashes[: (num_tokens - 1) // self.block_size]
@@ -326,7 +342,7 @@ class KVCacheManager:
                 table.extend(self.pool.get_new_blocks(self.blocks_needed(num_tokens) - len(table)))
         self.num_tokens[request_id] = max(num_tokens, self.num_tokens[request_id])
         self._logical_tokens += self._stored_tokens(request_id) - before
-        if self.enable_prefix_caching and tokens is not None:
+        if self.enable_prefix_caching and tokens is not None and self.window_of(request_id) is None:
             self._publish(request_id, num_tokens - num_lookahead_tokens, tokens)
         return True
 
@@ -508,8 +524,9 @@ class KVCacheManager:
             self.pool.free_blocks(run)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's remembered block keys."""
+        """Drop a finished request's remembered block keys (and its window)."""
         self.block_hashes.pop(request_id, None)
+        self.windows.pop(request_id, None)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         cached = self.pool.cached_blocks.values()

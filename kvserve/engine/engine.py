@@ -163,11 +163,11 @@ class LLMEngine:
         disk_tier = self._disk_tier()
         if host_tier is not None:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
+        self.streaming_refusal = self._streaming_refusal()
         self.streaming = self._streaming_window()
         self._sink_keys: dict[str, list[torch.Tensor]] = {}  # streaming: each request's sink keys as written
         self._inv_freq: torch.Tensor | None = None
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
-                                         config.enable_prefix_caching and self.streaming is None,
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                          self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
                                          [group.spec for group in self.kv_groups], config.max_num_batched_tokens,
                                          self.streaming)
@@ -235,23 +235,51 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ start-up sizing
 
+    def _streaming_refusal(self) -> str | None:
+        """Why this engine cannot stream any request (None: it can)."""
+        cfg = self.config
+        if self.model_config.mla is not None or len(self.kv_groups) != 1 or any(self.model_config.layer_windows):
+            return "MLA and sliding-window models are not supported yet"
+        if not all(layer.direct for layer in self.kv_cache.layers) or self.kv_cache.uses_tail:
+            return f"the KV cache must be kept in a float dtype for now, not kv_cache_dtype={cfg.kv_cache_dtype}"
+        if cfg.speculative_config is not None:
+            return "speculative decoding does not combine with it yet"
+        return None
+
     def _streaming_window(self) -> StreamingWindow | None:
-        """kv_eviction=streaming's window, where this engine can keep one (else a ConfigError)."""
+        """kv_eviction=streaming's window, the default of every request (else a ConfigError)."""
         cfg = self.config
         if cfg.kv_eviction != "streaming":
             return None
-        why = None
-        if self.model_config.mla is not None or len(self.kv_groups) != 1 or any(self.model_config.layer_windows):
-            why = "MLA and sliding-window models are not supported yet"
-        elif not all(layer.direct for layer in self.kv_cache.layers) or self.kv_cache.uses_tail:
-            why = f"the KV cache must be kept in a float dtype for now, not kv_cache_dtype={cfg.kv_cache_dtype}"
-        elif cfg.speculative_config is not None:
-            why = "speculative decoding does not combine with it yet"
-        if why is not None:
-            raise ConfigError(f"kv_eviction=streaming: {why}")
+        if self.streaming_refusal is not None:
+            raise ConfigError(f"kv_eviction=streaming: {self.streaming_refusal}")
         if cfg.enable_prefix_caching:
-            logger.info("kv_eviction=streaming: prefix caching is off (sink blocks are re-rotated in place)")
+            logger.info("kv_eviction=streaming: streaming requests neither share nor reuse cached prefix blocks "
+                        "(their sink blocks are turned in place)")
         return StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window)
+
+    def request_window(self, params: SamplingParams) -> StreamingWindow | None:
+        """The request's streaming window: its own kv_eviction settings within the engine's
+        (a window at most kv_window), else the engine's default."""
+        cfg = self.config
+        if params.kv_eviction is None and params.kv_window is None and params.kv_sink_tokens is None:
+            return self.streaming
+        if params.kv_eviction == "none" or (params.kv_eviction is None and self.streaming is None):
+            return None
+        if self.streaming_refusal is not None:
+            raise InvalidRequestError(f"kv_eviction=streaming is not available here: {self.streaming_refusal}")
+        window = StreamingWindow(cfg.kv_sink_tokens if params.kv_sink_tokens is None else params.kv_sink_tokens,
+                                 cfg.kv_window if params.kv_window is None else params.kv_window)
+        if window.window > cfg.kv_window:
+            raise InvalidRequestError(f"kv_window={window.window} is more than this server's kv_window={cfg.kv_window}")
+        if window.sink_tokens > cfg.kv_window:
+            raise InvalidRequestError(f"kv_sink_tokens={window.sink_tokens} is more than this server's "
+                                      f"kv_window={cfg.kv_window}")
+        held = window.blocks_held(cfg.block_size, cfg.max_num_batched_tokens) + self.tail_blocks
+        if held > self.kv_manager.pool.num_usable_blocks:
+            raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "
+                                      f"{self.kv_manager.pool.num_usable_blocks}")
+        return window
 
     def evict(self, request: Request) -> None:
         """Streaming: free the request's blocks between its sinks and the window of its next
@@ -475,7 +503,8 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
-        if not self.kv_manager.can_ever_fit(len(token_ids)):
+        window = self.request_window(params)
+        if window is None and not self.kv_manager.can_ever_fit(len(token_ids)):
             raise InvalidRequestError(
                 f"prompt of {len(token_ids)} tokens can never fit in the KV pool "
                 f"({self.kv_manager.capacity_tokens} token slots)")
@@ -483,6 +512,8 @@ class LLMEngine:
         request_id = request_id or f"req-{arrival}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if window != self.streaming:
+            self.kv_manager.set_window(request_id, window)
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator().manual_seed(params.seed)
@@ -504,7 +535,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that advanced."""
-        if self.streaming is not None:
+        if self.kv_manager.streams:
             for request in self.scheduler.running:
                 self.evict(request)
         scheduled = self.scheduler.schedule()
@@ -521,7 +552,7 @@ class LLMEngine:
         if self.spec is not None:
             for victim in scheduled.preempted:
                 self.spec.proposer.free(victim.request_id)
-        if self.streaming is not None:  # a streaming sequence may outgrow the model's rotary tables
+        if self.kv_manager.streams:  # a streaming sequence may outgrow the model's rotary tables
             self.model.extend_rope(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
         sampled = self.runner.execute(chunks)
         self.kv_manager.record_step()  # peak figures as held during the forward pass
@@ -589,7 +620,7 @@ class LLMEngine:
         if reason is None and (
             len(request.output_token_ids) >= params.max_tokens
             # a streaming request's attention spans stay within the window: no length limit
-            or (request.num_tokens >= self.max_model_len and self.streaming is None)
+            or (request.num_tokens >= self.max_model_len and self.kv_manager.window_of(request.request_id) is None)
         ):
             reason = "length"
         if reason is not None:

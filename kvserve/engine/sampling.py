@@ -39,6 +39,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    # KV eviction for this request (None: the engine's kv_eviction, kv_window, kv_sink_tokens)
+    kv_eviction: str | None = None  # "none" or "streaming"
+    kv_window: int | None = None
+    kv_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.kv_eviction not in (None, "none", "streaming"):
+            raise ValueError(f"kv_eviction must be none or streaming, got {self.kv_eviction!r}")
+        for name, low in (("kv_window", 1), ("kv_sink_tokens", 0)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for token, bias in self.logit_bias.items():

@@ -64,6 +64,10 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # kvserve's extra: this request's KV eviction (within the server's kv_window)
+    kv_eviction: Literal["none", "streaming"] | None = None
+    kv_window: Annotated[int, Field(ge=1)] | None = None
+    kv_sink_tokens: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("seed")
     @classmethod
@@ -115,7 +119,8 @@ class _Sampling(_Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            min_tokens=min(self.min_tokens, max_tokens))
+            min_tokens=min(self.min_tokens, max_tokens), kv_eviction=self.kv_eviction, kv_window=self.kv_window,
+            kv_sink_tokens=self.kv_sink_tokens)
 
 
 class CompletionRequest(_Sampling):
