@@ -94,6 +94,7 @@ def still_serving(base: str) -> None:
     ("/v1/completions", {"prompt": "hi", "kv_eviction": "streaming", "kv_window": 4096}, "kv_window",
      "kv_window=4096 is more than this server's kv_window=1024"),
     ("/v1/completions", {"prompt": "hi", "kv_eviction": "snapkv"}, "kv_eviction", "streaming"),
+    ("/v1/completions", {"prompt": "hi", "kv_window": 64}, "kv_eviction", "need kv_eviction=streaming"),
 ])
 def test_bad_requests_get_a_400_naming_the_field(api: dict[str, Any], path: str, body: dict[str, Any],
                                                  param: str, fragment: str) -> None:

@@ -94,7 +94,12 @@ class DraftModel(NamedTuple):
 
 
 class InvalidRequestError(ValueError):
-    """A request was rejected at submission; the message names the bad value."""
+    """A request was rejected at submission; the message names the bad value (``param``: the
+    request field at fault, where one is)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -258,23 +263,30 @@ class LLMEngine:
                         "(their sink blocks are turned in place)")
         return StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window)
 
+    def streams(self, kv_eviction: str | None) -> bool:
+        """A request asking for ``kv_eviction`` (None: the engine's default) streams."""
+        return kv_eviction == "streaming" or (kv_eviction is None and self.streaming is not None)
+
     def request_window(self, params: SamplingParams) -> StreamingWindow | None:
         """The request's streaming window: its own kv_eviction settings within the engine's
         (a window at most kv_window), else the engine's default."""
         cfg = self.config
         if params.kv_eviction is None and params.kv_window is None and params.kv_sink_tokens is None:
             return self.streaming
-        if params.kv_eviction == "none" or (params.kv_eviction is None and self.streaming is None):
-            return None
+        if not self.streams(params.kv_eviction):
+            if params.kv_eviction == "none":
+                return None
+            raise InvalidRequestError("kv_window and kv_sink_tokens need kv_eviction=streaming (this server "
+                                      "does not stream by default)", param="kv_eviction")
         if self.streaming_refusal is not None:
-            raise InvalidRequestError(f"kv_eviction=streaming is not available here: {self.streaming_refusal}")
+            raise InvalidRequestError(f"kv_eviction=streaming is not available here: {self.streaming_refusal}",
+                                      param="kv_eviction")
         window = StreamingWindow(cfg.kv_sink_tokens if params.kv_sink_tokens is None else params.kv_sink_tokens,
                                  cfg.kv_window if params.kv_window is None else params.kv_window)
-        if window.window > cfg.kv_window:
-            raise InvalidRequestError(f"kv_window={window.window} is more than this server's kv_window={cfg.kv_window}")
-        if window.sink_tokens > cfg.kv_window:
-            raise InvalidRequestError(f"kv_sink_tokens={window.sink_tokens} is more than this server's "
-                                      f"kv_window={cfg.kv_window}")
+        for name, value in (("kv_window", window.window), ("kv_sink_tokens", window.sink_tokens)):
+            if value > cfg.kv_window:
+                raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={cfg.kv_window}",
+                                          param=name)
         held = window.blocks_held(cfg.block_size, cfg.max_num_batched_tokens) + self.tail_blocks
         if held > self.kv_manager.pool.num_usable_blocks:
             raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "

@@ -163,14 +163,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                            param="messages" if chat else "prompt")
         requested = body.requested_max_tokens()
         param = body.max_tokens_field()
-        server_window = engine.engine.config.kv_window
-        for name in ("kv_window", "kv_sink_tokens"):
-            value = getattr(body, name)
-            if value is not None and value > server_window:
-                raise APIError(400, f"{name}={value} is more than this server's kv_window={server_window}", param=name)
         # a streaming request's attention stays within its window: it may generate past max_model_len
-        streams = body.kv_eviction == "streaming" or (body.kv_eviction is None and engine.engine.streaming is not None)
-        if requested is not None and requested > room and not streams:
+        if requested is not None and requested > room and not engine.engine.streams(body.kv_eviction):
             raise APIError(400, f"{param}={requested} is more than the {room} tokens left after the prompt's "
                            f"{prompt_tokens} tokens in max_model_len={max_model_len}", param=param)
         # OpenAI's defaults: 16 for completions, as much as fits for chat
@@ -294,7 +288,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(503, str(exc), kind="server_error", headers={"Retry-After": "1"}) from exc
         except ValueError as exc:
             message = str(exc)
-            raise APIError(400, message, param="prompt" if "prompt" in message else None) from exc
+            param = getattr(exc, "param", None) or ("prompt" if "prompt" in message else None)
+            raise APIError(400, message, param=param) from exc
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         if stream:
