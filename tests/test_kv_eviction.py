@@ -207,3 +207,57 @@ def test_per_request_streaming_beside_full_requests(tiny_model_factory: Callable
     assert cached == {full: 16, stream: 0, after_stream: 0}
     with pytest.raises(ValueError, match="kv_window=4096 is more than this server's kv_window=1024"):
         engine.add_request(prompts[0], SamplingParams(kv_eviction="streaming", kv_window=4096))
+
+
+def hf_compacted_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int,
+                        index: list[torch.Tensor]) -> list[int]:
+    """HF transformers' greedy tokens when, right after the prompt's prefill, each layer's cache
+    keeps only the tokens index[layer][head] of each KV head (queries at absolute positions)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for layer, keep in zip(cache.layers, index, strict=True):
+            picks = keep[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, picks), layer.values.gather(2, picks)
+        for step in range(max_new_tokens - 1):
+            length = cache.get_seq_length()
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[len(prompt_ids) + step]]),
+                        cache=cache, use_cache=True, cache_position=torch.tensor([length]))
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("keep", [40, 24, 5])
+def test_compaction_keeps_any_tokens_per_layer_and_head(tiny_model_factory: Callable[..., Path], keep: int) -> None:
+    """After the prompt's prefill, keep a different random subset of its 40 tokens in every
+    layer and KV head (all of them: nothing changes): the engine's tokens equal HF's with its
+    cache gathered the same way; the compacted blocks are private, the prompt's published ones
+    stay cached."""
+    import transformers
+
+    model = tiny_model_factory("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    p = prompt(40, 3)
+    gen = torch.Generator().manual_seed(keep)
+    kv_heads, layers = hf.config.num_key_value_heads, hf.config.num_hidden_layers
+    index = [torch.stack([torch.randperm(40, generator=gen)[:keep].sort().values for _ in range(kv_heads)])
+             for _ in range(layers)]
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB"))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    request = engine.add_request(p, params)
+    outputs = engine.step()  # the prompt's prefill and the first token
+    assert request.num_computed_tokens == 40 and engine.compact(request, index)
+    check_manager(engine.kv_manager)
+    assert len(engine.kv_manager.block_tables[request.request_id][0]) == -(-keep // 8)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        check_manager(engine.kv_manager)
+    assert outputs[0].token_ids == hf_compacted_greedy(hf, p, 30, index)
+    pool = engine.kv_manager.pool
+    assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 5  # the prompt's, none of the compacted
+    if keep == 40:
+        plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB")
+        assert outputs[0].token_ids == plain.generate([p], params)[0].token_ids

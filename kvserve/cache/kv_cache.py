@@ -604,6 +604,22 @@ class PagedKVCache:
         for layer, layer_keys in zip(self.storage, keys, strict=True):
             layer.data[ids, :kv_heads] = layer_keys.to(layer.data.dtype)
 
+    def gather_tokens(self, old_ids: list[int], new_ids: list[int], index: list[torch.Tensor]) -> None:
+        """Copy a sequence's kept tokens from its blocks ``old_ids`` into ``new_ids``: in storage
+        layer l, head h's j-th slot gets the K/V of its token index[l][h, j] (positions in the
+        old blocks' order; every head keeps as many). Float pools. ``new_ids`` were zeroed."""
+        old = torch.tensor(old_ids, dtype=torch.long, device=self.clipped.device)
+        new = torch.tensor(new_ids, dtype=torch.long, device=self.clipped.device)
+        size, rows = self.block_size, self.rows_per_token
+        for layer, keep in zip(self.storage, index, strict=True):
+            heads, kept = keep.shape
+            # [rows, old tokens, dim]: every K and V head's tokens in sequence order
+            tokens = layer.data.index_select(0, old).permute(1, 0, 2, 3).reshape(rows, -1, layer.data.shape[-1])
+            picked = tokens.gather(1, keep.repeat(rows // heads, 1)[:, :, None].expand(-1, -1, tokens.shape[-1]))
+            out = picked.new_zeros(rows, len(new_ids) * size, tokens.shape[-1])
+            out[:, :kept] = picked
+            layer.data[new] = out.view(rows, len(new_ids), size, -1).permute(1, 0, 2, 3)
+
     def zero_new_blocks(self, max_block_id: int) -> None:
         """Zero blocks up to ``max_block_id`` on first use. The pool hands out never-used blocks
         in id order, so this touches each block once and pages stay lazily committed."""

@@ -119,6 +119,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.streaming = streaming
         self.windows: dict[str, StreamingWindow | None] = {}  # per-request overrides of ``streaming``
+        self.private: set[str] = set()  # compacted requests: their blocks are never published
         # tokens evicted from each request's table (streaming): its table holds cache positions,
         # which are absolute positions less this past the sinks
         self.evicted: dict[str, int] = {}
@@ -169,6 +170,10 @@ class KVCacheManager:
             raise ValueError("streaming eviction takes one full-attention group")
         self.windows[request_id] = window
 
+    def _shares(self, request_id: str) -> bool:
+        """The request's blocks may be published: it neither streams nor was compacted."""
+        return self.window_of(request_id) is None and request_id not in self.private
+
     def window_of(self, request_id: str) -> StreamingWindow | None:
         return self.windows.get(request_id, self.streaming)
 
@@ -176,6 +181,27 @@ class KVCacheManager:
     def streams(self) -> bool:
         """Some request may stream."""
         return self.streaming is not None or any(w is not None for w in self.windows.values())
+
+    def compact(self, request_id: str, keep: int) -> tuple[list[int], list[int]] | None:
+        """Move the request to cdiv(keep, block_size) fresh private blocks that will hold ``keep``
+        of its cached tokens (which ones, per layer and head, the caller copies: old block ids,
+        new block ids); its old blocks are released (published ones stay cached). From now on
+        it publishes nothing. None if the pool is short (nothing changes then). One group, no
+        tail runs; the cache must hold only computed tokens."""
+        table = self.block_tables[request_id][0]
+        tokens = self.num_tokens[request_id]
+        if not 0 < keep <= tokens or self.blocks_needed(keep) > self.pool.num_free_blocks:
+            return None
+        fresh = self.pool.get_new_blocks(self.blocks_needed(keep))
+        old = [block.block_id for block in table]
+        self.pool.free_blocks(table[::-1])
+        self.block_tables[request_id][0] = fresh
+        self.num_tokens[request_id] = keep
+        self._logical_tokens -= tokens - keep
+        self.evicted[request_id] = self.evicted.get(request_id, 0) + tokens - keep
+        self.num_evicted_tokens += tokens - keep
+        self.private.add(request_id)  # its blocks hold a selection: never publish them
+        return old, [block.block_id for block in fresh]
 
     def evicted_tokens(self, request_id: str) -> int:
         """Absolute position - cache position of the request's tokens past its sinks."""
@@ -342,7 +368,7 @@ class KVCacheManager:
                 table.extend(self.pool.get_new_blocks(self.blocks_needed(num_tokens) - len(table)))
         self.num_tokens[request_id] = max(num_tokens, self.num_tokens[request_id])
         self._logical_tokens += self._stored_tokens(request_id) - before
-        if self.enable_prefix_caching and tokens is not None and self.window_of(request_id) is None:
+        if self.enable_prefix_caching and tokens is not None and self._shares(request_id):
             self._publish(request_id, num_tokens - num_lookahead_tokens, tokens)
         return True
 
@@ -429,7 +455,8 @@ class KVCacheManager:
         # its full blocks were published before: these copies are published again where no equal
         # block is cached
         self.num_published[request_id] = 0
-        self._publish_up_to(request_id, state.num_published)
+        if self._shares(request_id):
+            self._publish_up_to(request_id, state.num_published)
         self.num_swaps_in += 1
         return True
 
@@ -509,6 +536,7 @@ class KVCacheManager:
         if state is not None and self.host_tier is not None:
             self.host_tier.release(state.slots)
         self.evicted.pop(request_id, None)
+        self.private.discard(request_id)
         self._release_blocks(request_id)
 
     def _release_blocks(self, request_id: str) -> None:

@@ -308,6 +308,20 @@ class LLMEngine:
         self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
                                                            for keys in self._sink_keys[request.request_id]])
 
+    def compact(self, request: Request, index: list[torch.Tensor]) -> bool:
+        """Keep only some of the request's cached tokens: in model layer l's storage, head h keeps
+        tokens index[l][h] (sorted positions among those cached; every head as many). Queries
+        and kept keys stay at their absolute rotary positions, so their distances are right
+        without re-rotation. False if the pool is short (nothing changes)."""
+        if self.streaming_refusal is not None:
+            raise ConfigError(f"compacting a request's KV: {self.streaming_refusal}")
+        moved = self.kv_manager.compact(request.request_id, int(index[0].shape[1]))
+        if moved is None:
+            return False
+        self.kv_cache.zero_new_blocks(self.kv_manager.pool.max_block_id_used)
+        self.kv_cache.gather_tokens(*moved, index)
+        return True
+
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is not None and self.config.max_model_len > limit:
