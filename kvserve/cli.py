@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="streaming: first tokens kept as attention sinks (whole blocks) (default: %(default)s)")
     g.add_argument("--kv-window", type=int, default=1024,
                    help="streaming: most recent tokens kept (default: %(default)s)")
+    g.add_argument("--kv-compression-ratio", type=float, default=0.5,
+                   help="snapkv: fraction of each prompt's tokens kept per KV head (default: %(default)s)")
+    g.add_argument("--kv-observation-window", type=int, default=32,
+                   help="snapkv: last prompt tokens whose attention scores the rest (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                    help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
@@ -83,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "speculative_config": args.speculative_config, "kv_eviction": args.kv_eviction,
         "kv_sink_tokens": args.kv_sink_tokens, "kv_window": args.kv_window,
+        "kv_compression_ratio": args.kv_compression_ratio, "kv_observation_window": args.kv_observation_window,
     }
 
 

@@ -17,7 +17,8 @@ from kvserve.cache.kv_format import normalize_kv_dtype
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")  # arrival order; longest cached prefix first (SGLang's lpm)
 PREEMPTION_MODES = ("recompute", "swap")  # vLLM's names
-KV_EVICTION = ("none", "streaming")  # streaming: StreamingLLM's attention sinks + recent window
+# streaming: StreamingLLM's attention sinks + recent window; snapkv: SnapKV's prompt compression
+KV_EVICTION = ("none", "streaming", "snapkv")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -202,6 +203,10 @@ class EngineConfig:
     kv_eviction: str = "none"
     kv_sink_tokens: int = 4
     kv_window: int = 1024
+    # snapkv: keep this fraction of each prompt's tokens per KV head (1.0: all; kvpress's
+    # compression_ratio is 1 minus it), scored by the last kv_observation_window prompt queries
+    kv_compression_ratio: float = 0.5
+    kv_observation_window: int = 32
     # speculative decoding: a SpeculativeConfig, its dict, or its JSON text (vLLM's speculative_config)
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     seed: int = 0
@@ -256,7 +261,10 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_eviction not in KV_EVICTION:
             raise ConfigError(f"kv_eviction must be one of {', '.join(KV_EVICTION)}, got {self.kv_eviction!r}")
-        for name, low in (("kv_sink_tokens", 0), ("kv_window", 1)):
+        if not isinstance(self.kv_compression_ratio, (int, float)) or not 0.0 < self.kv_compression_ratio <= 1.0:
+            raise ConfigError(f"kv_compression_ratio must be in (0, 1] (the fraction of prompt tokens kept), "
+                              f"got {self.kv_compression_ratio!r}")
+        for name, low in (("kv_sink_tokens", 0), ("kv_window", 1), ("kv_observation_window", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")

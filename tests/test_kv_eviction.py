@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import StreamingWindow
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.snapkv import snapkv_keep
 from tests.test_cache_invariants import check_manager
 
 
@@ -142,6 +144,10 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
     model = tiny_model_factory("llama")
     with pytest.raises(ConfigError, match="kv_eviction must be one of"):
         EngineConfig(model=str(model), kv_eviction="snapkv2")
+    with pytest.raises(ConfigError, match="kv_compression_ratio must be in"):
+        EngineConfig(model=str(model), kv_eviction="snapkv", kv_compression_ratio=0.0)
+    with pytest.raises(ConfigError, match="kv_eviction=snapkv: the KV cache must be kept in a float dtype"):
+        LLMEngine(EngineConfig(model=str(model), kv_eviction="snapkv", kv_cache_dtype="int4", kv_cache_memory="4MiB"))
     with pytest.raises(ConfigError, match="kv_window must be an integer >= 1"):
         EngineConfig(model=str(model), kv_eviction="streaming", kv_window=0)
     with pytest.raises(ConfigError, match="kv_cache_dtype=int8"):
@@ -261,3 +267,89 @@ def test_compaction_keeps_any_tokens_per_layer_and_head(tiny_model_factory: Call
     if keep == 40:
         plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB")
         assert outputs[0].token_ids == plain.generate([p], params)[0].token_ids
+
+
+def test_snapkv_scores_as_the_paper_says() -> None:
+    """snapkv_keep against a plain loop: per KV head, the window's attention (causal, softmax per
+    query head), summed over the window and the head's query group, averaged over 5 neighbours
+    (padding not counted), the top of the prefix plus the window itself."""
+    torch.manual_seed(0)
+    window, heads, kv_heads, dim, length, keep = 4, 6, 2, 8, 30, 12
+    q, k = torch.randn(window, heads, dim), torch.randn(length, kv_heads, dim)
+    k[7, 1] = q[:, 3:].sum(dim=(0, 1)) * 3  # a token head 1's queries all look at
+    got = snapkv_keep(q, k, keep, scale=dim**-0.5)
+    for g in range(kv_heads):
+        votes = torch.zeros(length)
+        for i in range(window):
+            for h in range(g * 3, g * 3 + 3):
+                seen = length - window + i + 1
+                votes[:seen] += torch.softmax(k[:seen, g] @ q[i, h] * dim**-0.5, dim=0)
+        prefix = votes[: length - window]
+        pooled = torch.stack([prefix[max(0, j - 2) : j + 3].mean() for j in range(length - window)])
+        expected = sorted(pooled.topk(keep - window).indices.tolist() + list(range(length - window, length)))
+        assert got[g].tolist() == expected
+    assert 7 in got[1].tolist()
+    with pytest.raises(ValueError, match="keep=3 must lie between"):
+        snapkv_keep(q, k, 3, scale=1.0)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.25])
+def test_snapkv_compresses_each_prompt_once(tiny_model_factory: Callable[..., Path], ratio: float) -> None:
+    """Prompts of 40-60 tokens with kv_compression_ratio: each keeps ceil(ratio x L) tokens per
+    head after its prefill (ratio 1: exactly the plain engine's tokens), decodes on from them as
+    HF transformers does with its cache gathered by the same indices, and frees everything."""
+    import transformers
+
+    model = tiny_model_factory("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    prompts = [prompt(40 + 10 * i, 10 + i) for i in range(3)]
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                                    kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=8))
+    indices: dict[str, list[torch.Tensor]] = {}
+    compact = engine.compact
+
+    def recording(request: Any, index: list[torch.Tensor]) -> bool:
+        indices[request.request_id] = index
+        return compact(request, index)
+
+    engine.compact = recording  # type: ignore[method-assign]
+    outputs = run_checked(engine, prompts, 24)
+    if ratio == 1.0:
+        plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB")
+        greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        assert not indices and outputs == [o.token_ids for o in plain.generate(prompts, greedy)]
+        return
+    assert sorted(i.shape[1] for i in (v[0] for v in indices.values())) == [
+        math.ceil(len(p) * ratio) for p in prompts]
+    assert engine.kv_stats().evicted_tokens == sum(len(p) - math.ceil(len(p) * ratio) for p in prompts)
+    for out, p, rid in zip(outputs, prompts, sorted(indices), strict=True):
+        assert out == hf_compacted_greedy(hf, p, 24, indices[rid])
+
+
+def test_snapkv_selection_matches_hf_attention(tiny_model_factory: Callable[..., Path]) -> None:
+    """The tokens the engine keeps are those HF transformers' own attention probabilities
+    (eager, output_attentions) rank highest from the last 8 prompt queries, per layer and head:
+    the queries captured, the keys read and the scale are the right ones."""
+    import transformers
+
+    model = tiny_model_factory("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    p, window, ratio = prompt(48, 5), 8, 0.5
+    keep = math.ceil(len(p) * ratio)
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                                    kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=window))
+    captured: list[list[torch.Tensor]] = []
+    compact = engine.compact
+    engine.compact = lambda request, index: captured.append(index) or compact(request, index)  # type: ignore
+    run_checked(engine, [p], 2)
+    with torch.no_grad():
+        attentions = hf(input_ids=torch.tensor([p]), output_attentions=True).attentions
+    kv_heads = hf.config.num_key_value_heads
+    for index, probs in zip(captured[0], attentions, strict=True):
+        votes = probs[0, :, -window:, : len(p) - window].sum(dim=1)  # [heads, L - w]
+        votes = votes.view(kv_heads, -1, len(p) - window).sum(dim=1)
+        pooled = torch.nn.functional.avg_pool1d(votes[:, None], 5, stride=1, padding=2, count_include_pad=False)[:, 0]
+        for g in range(kv_heads):
+            expected = set(pooled[g].topk(keep - window).indices.tolist()) | set(range(len(p) - window, len(p)))
+            assert set(index[g].tolist()) == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler
+from kvserve.engine.snapkv import snapkv_keep
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.llama import LlamaForCausalLM, apply_rope, pack_linears_for_cpu, rope_at, rope_inv_freq
@@ -170,6 +172,9 @@ class LLMEngine:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
         self.streaming_refusal = self._streaming_refusal()
         self.streaming = self._streaming_window()
+        if config.kv_eviction == "snapkv" and self.streaming_refusal is not None:
+            raise ConfigError(f"kv_eviction=snapkv: {self.streaming_refusal}")
+        self._prompts_scored: set[str] = set()  # snapkv: requests whose prefill was compressed (or kept whole)
         self._sink_keys: dict[str, list[torch.Tensor]] = {}  # streaming: each request's sink keys as written
         self._inv_freq: torch.Tensor | None = None
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -307,6 +312,31 @@ class LLMEngine:
         cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), self._inv_freq)
         self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
                                                            for keys in self._sink_keys[request.request_id]])
+
+    def compress_prompt(self, request: Request) -> bool:
+        """SnapKV, right after the request's prefill: recompute the last kv_observation_window
+        tokens' queries (their K/V are rewritten as they were), score the prompt per KV head and
+        keep kv_compression_ratio of it. False when nothing was dropped (a short prompt, a ratio
+        of 1, or no pool room for the copy)."""
+        cfg, length = self.config, request.num_computed_tokens
+        window = min(cfg.kv_observation_window, length)
+        keep = max(window, math.ceil(length * cfg.kv_compression_ratio))
+        if keep >= length:
+            return False
+        queries: dict[int, torch.Tensor] = {}
+        self.runner.query_observer = lambda kv, q: queries.__setitem__(id(kv), q.detach().clone())
+        request.num_computed_tokens = length - window
+        try:
+            self.runner.forward([ScheduledChunk(request, window)])
+        finally:
+            self.runner.query_observer = None
+            request.num_computed_tokens = length
+        kv_heads, dim = self.model_config.num_kv_heads, self.model_config.head_dim
+        keys = self.kv_cache.read_keys(self.kv_manager.block_ids(request.request_id))
+        index = [snapkv_keep(queries[id(kv)], stored.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length], keep,
+                             layer.scale)
+                 for kv, stored, layer in zip(self.kv_cache.layers, keys, self.model.decoder_layers, strict=True)]
+        return self.compact(request, index)
 
     def compact(self, request: Request, index: list[torch.Tensor]) -> bool:
         """Keep only some of the request's cached tokens: in model layer l's storage, head h keeps
@@ -575,8 +605,10 @@ class LLMEngine:
         chunks = scheduled.chunks
         if not chunks:
             return []
-        if self.spec is not None:
-            for victim in scheduled.preempted:
+        for victim in scheduled.preempted:
+            if victim.num_computed_tokens == 0:  # recomputed: its prefill is compressed again
+                self._prompts_scored.discard(victim.request_id)
+            if self.spec is not None:
                 self.spec.proposer.free(victim.request_id)
         if self.kv_manager.streams:  # a streaming sequence may outgrow the model's rotary tables
             self.model.extend_rope(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
@@ -612,6 +644,12 @@ class LLMEngine:
                     self.requests.pop(request.request_id, None)
                     break
             outputs.append(self._output(request, new_tokens, previous_text))
+        if self.config.kv_eviction == "snapkv":
+            for chunk, _ in sampled:  # prefills just completed: compress their prompts once
+                request = chunk.request
+                if not request.finished and request.request_id not in self._prompts_scored:
+                    self._prompts_scored.add(request.request_id)
+                    self.compress_prompt(request)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         return outputs
@@ -657,6 +695,7 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
         self._sink_keys.pop(request.request_id, None)
+        self._prompts_scored.discard(request.request_id)
         if self.spec is not None:
             self.spec.free(request.request_id)
 

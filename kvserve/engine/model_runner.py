@@ -61,6 +61,7 @@ class ModelRunner:
         self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype) and not self.latent
         # sees every layer's new K (after rotary) and V before they are cached (calibration)
         self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
+        self.query_observer: Callable[[LayerKV, torch.Tensor], None] | None = None
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
 
     def _groups(self, buckets: list[list[ScheduledChunk]], kv_group: int, window: int) -> list[AttentionGroup]:
@@ -246,7 +247,8 @@ class ModelRunner:
                 slot_mapping, write = writes[group]
                 metas[group, window] = AttentionMetadata(slot_mapping, write, self._groups(buckets, group, window),
                                                          fused_rope_write=self.decode_kernel,
-                                                         kv_observer=self.kv_observer)
+                                                         kv_observer=self.kv_observer,
+                                                         query_observer=self.query_observer)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),

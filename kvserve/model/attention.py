@@ -48,6 +48,7 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     fused_rope_write: bool = False  # layers may use the C++ rotary + cache-write op
     kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None  # sees K/V before the write
+    query_observer: Callable[[LayerKV, torch.Tensor], None] | None = None  # sees each layer's rotated queries
 
 
 def use_decode_kernel(device: torch.device) -> bool:

@@ -243,6 +243,8 @@ class DecoderLayer(nn.Module):
             if meta.kv_observer is not None:
                 meta.kv_observer(kv, qk[:, heads:], v)
             kv.write(qk[:, heads:], v, meta.write)
+        if meta.query_observer is not None:
+            meta.query_observer(kv, q)
         attn = self.o_proj(paged_attention(q, kv, meta, self.scale).view(num_tokens, self.q_size))
         if self.attn_out_norm is not None:
             attn = F.rms_norm(attn, (attn.shape[-1],), self.attn_out_norm, self.eps)
