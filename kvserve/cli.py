@@ -57,7 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)')
     g.add_argument("--kv-eviction", default="none", choices=KV_EVICTION,
                    help="streaming: keep the attention sinks and a recent window of every request's KV, free "
-                        "the rest as it grows (StreamingLLM; memory bounded whatever --max-tokens)")
+                        "the rest as it grows (StreamingLLM; memory bounded whatever --max-tokens); snapkv: "
+                        "compress each prompt once after its prefill to --kv-compression-ratio of its tokens")
     g.add_argument("--kv-sink-tokens", type=int, default=4,
                    help="streaming: first tokens kept as attention sinks (whole blocks) (default: %(default)s)")
     g.add_argument("--kv-window", type=int, default=1024,
