@@ -39,11 +39,9 @@ from workloads import cpu_name
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine, load_model
-from kvserve.engine.request import Request
-from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.model.llama import apply_rope, rope_at, rope_inv_freq
 from kvserve.model.loader import ModelConfig
+from kvserve.quant.evaluate import chunk_logprobs
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, SINK_BLOCKS = 30, 3, 64, 16, 1
 
@@ -111,26 +109,17 @@ def accumulated_error(window: int, inv_freq: torch.Tensor) -> dict[str, float]:
 
 def nll_curve(engine: LLMEngine, tokens: list[int], chunk: int, bound: int | None) -> list[float]:
     """Negative log-likelihood of each next token, teacher-forced chunk by chunk through the
-    engine (evicting before each chunk when it streams); ``bound``: the most blocks the request
-    may hold, checked after every chunk."""
-    request = Request("curve", list(tokens), SamplingParams(max_tokens=1), -1)
-    kv, nll = engine.kv_manager, []
+    engine as ``kvserve eval`` scores (evicting before each chunk when it streams); ``bound``: the
+    most blocks the request may hold, checked after every chunk."""
     from tqdm import tqdm
 
-    for start in tqdm(range(0, len(tokens) - 1, chunk), desc=engine.config.kv_eviction, unit="chunk", mininterval=10):
-        end = min(len(tokens), start + chunk)
-        if engine.streaming is not None:
-            engine.evict(request)
-        assert kv.allocate_slots(request.request_id, end)
+    nll: list[float] = []
+    for start, logprobs in tqdm(chunk_logprobs(engine, tokens, chunk), total=-(-len(tokens) // chunk),
+                                desc=engine.config.kv_eviction, unit="chunk", mininterval=10):
         if bound is not None:
-            assert len(kv.block_tables[request.request_id][0]) <= bound, "the streaming request outgrew its bound"
-        engine.model.extend_rope(end)
-        _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
-        request.num_computed_tokens = end
-        logprobs = torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
-        targets = torch.tensor(tokens[start + 1 : end + 1])
-        nll += (-logprobs[: len(targets)].gather(1, targets[:, None])[:, 0]).tolist()
-    kv.free(request.request_id)
+            assert len(engine.kv_manager.block_tables["eval"][0]) <= bound, "the streaming request outgrew its bound"
+        targets = torch.tensor(tokens[start + 1 : start + 1 + len(logprobs)])
+        nll += (-logprobs[: len(targets)].float().gather(1, targets[:, None])[:, 0]).tolist()
     return nll
 
 

@@ -110,11 +110,11 @@ class KVCacheManager:
         ``streaming``: the default window of every request (set_window overrides it per request);
         streaming takes one full-attention group. A streaming request neither publishes blocks
         nor starts from cached ones: its sink blocks are turned in place, so none can be shared."""
-        if streaming is not None and (len(groups) != 1 or groups[0].sliding_window):
-            raise ValueError("streaming eviction takes one full-attention group")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.groups = list(groups)
+        if streaming is not None:
+            self._check_streamable()
         self.max_chunk_tokens = max_chunk_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.streaming = streaming
@@ -166,9 +166,13 @@ class KVCacheManager:
     def set_window(self, request_id: str, window: StreamingWindow | None) -> None:
         """The request streams with ``window`` (None: it keeps every block) whatever the default;
         before its first allocation, until forget()."""
-        if window is not None and (len(self.groups) != 1 or self.groups[0].sliding_window):
-            raise ValueError("streaming eviction takes one full-attention group")
+        if window is not None:
+            self._check_streamable()
         self.windows[request_id] = window
+
+    def _check_streamable(self) -> None:
+        if len(self.groups) != 1 or self.groups[0].sliding_window:
+            raise ValueError("streaming eviction takes one full-attention group")
 
     def _shares(self, request_id: str) -> bool:
         """The request's blocks may be published: it neither streams nor was compacted."""

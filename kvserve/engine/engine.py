@@ -292,11 +292,16 @@ class LLMEngine:
             if value > cfg.kv_window:
                 raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={cfg.kv_window}",
                                           param=name)
-        held = window.blocks_held(cfg.block_size, cfg.max_num_batched_tokens) + self.tail_blocks
+        held = self._streaming_blocks(window)
         if held > self.kv_manager.pool.num_usable_blocks:
             raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "
                                       f"{self.kv_manager.pool.num_usable_blocks}")
         return window
+
+    def _streaming_blocks(self, window: StreamingWindow) -> int:
+        """Pool blocks one request streaming with ``window`` holds at most (with a prefill chunk
+        of max_num_batched_tokens in flight)."""
+        return window.blocks_held(self.config.block_size, self.config.max_num_batched_tokens) + self.tail_blocks
 
     def evict(self, request: Request) -> None:
         """Streaming: free the request's blocks between its sinks and the window of its next
@@ -434,8 +439,7 @@ class LLMEngine:
         capacity = capacity_tokens([g.spec for g in self.kv_groups], num_blocks - 1, cfg.block_size,
                                    cfg.max_num_batched_tokens, self.tail_blocks)
         if cfg.kv_eviction == "streaming":  # a request holds its sinks and window, however long it grows
-            held = StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window).blocks_held(
-                cfg.block_size, cfg.max_num_batched_tokens) + self.tail_blocks
+            held = self._streaming_blocks(StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window))
             if held > num_blocks - 1:
                 raise ConfigError(f"{source} holds {num_blocks - 1} blocks, fewer than the {held} one streaming "
                                   f"request needs (kv_window={cfg.kv_window} plus a chunk of "

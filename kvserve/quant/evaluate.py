@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -85,25 +86,31 @@ def streaming_variants(reference: Variant, evictions: str, windows: str) -> list
     return [Variant(f"{reference.name} streaming {w}", reference.kv_dtype, reference.key_scales, w) for w in sizes]
 
 
-def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
-    """Log-probabilities [len-1, vocab] (float32) of each next token, from chunked prefill
-    through the engine's paged cache (its blocks are freed afterwards)."""
+def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Teacher-forced chunked prefill of ``tokens`` through the engine's paged cache, request id
+    ``eval``: for each chunk (start, log-probabilities [chunk tokens, vocab] of the token after
+    each), its blocks still held at each yield and freed at the end. A streaming engine evicts
+    before each chunk (the chunk's first query keeps the sinks and its window)."""
     request = Request("eval", list(tokens), SamplingParams(max_tokens=1), -1)
     kv = engine.kv_manager
-    rows = []
     try:
         for start in range(0, len(tokens), chunk):
             end = min(len(tokens), start + chunk)
-            if engine.streaming is not None:  # each chunk's first query keeps the sinks and its window
+            if engine.streaming is not None:
                 engine.evict(request)
             if not kv.allocate_slots(request.request_id, end):
                 raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
+            engine.model.extend_rope(end)
             _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
             request.num_computed_tokens = end
-            rows.append(torch.log_softmax(engine.model.compute_logits(hidden), dim=-1))
+            yield start, torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
     finally:
         kv.free(request.request_id)
-    return torch.cat(rows)[:-1]
+
+
+def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
+    """Log-probabilities [len-1, vocab] of each next token (chunk_logprobs, concatenated)."""
+    return torch.cat([rows for _, rows in chunk_logprobs(engine, tokens, chunk)])[:-1]
 
 
 class _Totals:
