@@ -243,7 +243,7 @@ def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, bu
                                                    rnd) -> None:
     """The scheduler and a streaming manager (evict before each step, as the engine does), with
     bookkeeping in place of the model: each table holds its sink blocks (the same blocks from
-    the first eviction on) and its window, never more than StreamingWindow.blocks_held; the
+    the first eviction on, until a swap moves them) and its window, never more than StreamingWindow.blocks_held; the
     accounting holds after every step, with aborts and preemption; nothing leaks."""
     streaming = StreamingWindow(sinks, window)
     held = streaming.blocks_held(block_size, budget)
@@ -264,15 +264,16 @@ def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, bu
             eviction = kv.evict(r.request_id, r.num_computed_tokens)
             if eviction is not None:
                 assert eviction.shift == kv.evicted_tokens(r.request_id) and eviction.shift % block_size == 0
-                if eviction.first:
+                if eviction.first or r.request_id not in sink_ids:  # or back from a swap: new block ids
                     sink_ids[r.request_id] = eviction.sink_block_ids
                 assert eviction.sink_block_ids == sink_ids[r.request_id]
+                assert len(eviction.sink_block_ids) == streaming.sink_blocks(block_size)
         if sched.running and rnd.random() < 0.03:
             sched.finish(rnd.choice(sched.running), "abort")
         scheduled = sched.schedule()
         for r in scheduled.preempted:
+            sink_ids.pop(r.request_id, None)  # swapped: its blocks come back elsewhere
             if r.status is RequestStatus.WAITING:  # recomputed: evicts afresh
-                sink_ids.pop(r.request_id, None)
                 assert kv.evicted_tokens(r.request_id) == 0
         if tier is not None:
             tier.take_moves()

@@ -13,6 +13,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import StreamingWindow
+from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.snapkv import snapkv_keep
@@ -125,12 +126,15 @@ def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Cal
     window = StreamingWindow(4, 32)
     bound = window.blocks_held(8)
     held: list[int] = []
+    late: list[KVCacheStats] = []
 
     def record(engine: LLMEngine) -> None:
         tables = engine.kv_manager.block_tables
         assert all(len(t[0]) <= bound for t in tables.values()), "a table outgrew the window"
         if len(tables) == 2:
             held.append(engine.kv_manager.pool.num_used_blocks)
+            if len(held) == 500:  # ~520 tokens each: the pool holds their sinks and windows only
+                late.append(engine.kv_stats())
 
     outputs = run_checked(engine, [prompt(20, 1), prompt(20, 2)], 600, record)
     assert [len(o) for o in outputs] == [600, 600]
@@ -138,6 +142,9 @@ def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Cal
     assert max(steady) <= 2 * bound and max(steady) - min(steady) <= 2  # one block each, as blocks fill
     stats = engine.kv_stats()  # each request kept at most its sinks and window of its 620 tokens
     assert stats.evicted_tokens >= 2 * (620 - bound * 8) and stats.evicted_tokens_now == 0
+    assert late[0].logical_tokens <= 2 * bound * 8 and late[0].evicted_tokens_now >= 2 * (500 - bound * 8)
+    assert late[0].kept_ratio == late[0].logical_tokens / (late[0].logical_tokens + late[0].evicted_tokens_now) < 0.2
+    assert late[0].evicted_bytes_now == late[0].evicted_tokens_now * engine.kv_bytes_per_token > 0
 
 
 def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..., Path]) -> None:
@@ -213,6 +220,45 @@ def test_per_request_streaming_beside_full_requests(tiny_model_factory: Callable
     assert cached == {full: 16, stream: 0, after_stream: 0}
     with pytest.raises(ValueError, match="kv_window=4096 is more than this server's kv_window=1024"):
         engine.add_request(prompts[0], SamplingParams(kv_eviction="streaming", kv_window=4096))
+
+
+def test_per_request_snapkv_beside_full_requests(tiny_model_factory: Callable[..., Path]) -> None:
+    """On an engine that compresses nothing by default (prefix caching on), a request asking for
+    snapkv gets what an all-snapkv engine gives it and the others are untouched. The published
+    blocks it hit are never written: its observation window is recomputed without rewriting
+    K/V. A request may not keep less than the engine's kv_compression_ratio."""
+    model = tiny_model_factory("llama")
+    prompts = [prompt(40, seed) for seed in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common: dict[str, Any] = {"dtype": "float32", "block_size": 8, "kv_cache_memory": "4MiB",
+                              "kv_observation_window": 16}  # half of it in a block the request hit
+    expected_plain = [o.token_ids for o in LLM(str(model), **common).generate(prompts, greedy)]
+    expected_snap = LLM(str(model), kv_eviction="snapkv", **common).generate(prompts, greedy)[1].token_ids
+    llm = LLM(str(model), **common)
+    assert llm.generate(prompts[1:], greedy)[0].token_ids == expected_plain[1]  # publishes its blocks
+    engine = llm.engine
+    published = [b.block_id for b in engine.kv_manager.pool.blocks if b.block_hash is not None]
+    before = [layer.data[published].clone() for layer in engine.kv_cache.storage]
+    snap = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, kv_eviction="snapkv",
+                          kv_compression_ratio=0.5)
+    outputs = llm.generate(prompts[::-1], [snap, greedy])
+    assert outputs[0].num_cached_tokens == 32 and [o.token_ids for o in outputs] == [expected_snap, expected_plain[0]]
+    assert engine.kv_stats().evicted_tokens == 20
+    assert all(torch.equal(layer.data[published], old) for layer, old in zip(engine.kv_cache.storage, before,
+                                                                             strict=True))
+    for layer in engine.kv_cache.storage:  # marked: a rewrite by the window's recompute would undo this
+        layer.data[published] *= 1.5
+    marked = [layer.data[published].clone() for layer in engine.kv_cache.storage]
+    assert llm.generate(prompts[1:], snap)[0].num_cached_tokens == 32
+    assert all(torch.equal(layer.data[published], old) for layer, old in zip(engine.kv_cache.storage, marked,
+                                                                             strict=True))
+    for layer, old in zip(engine.kv_cache.storage, before, strict=True):
+        layer.data[published] = old
+    assert llm.generate(prompts[1:], greedy)[0].token_ids == expected_plain[1]
+    with pytest.raises(ValueError, match=r"kv_compression_ratio=0\.25 keeps less of the prompt than this server's"):
+        engine.add_request(prompts[0], SamplingParams(kv_eviction="snapkv", kv_compression_ratio=0.25))
+    with pytest.raises(ValueError, match="kv_compression_ratio needs kv_eviction=snapkv"):
+        engine.add_request(prompts[0], SamplingParams(kv_compression_ratio=0.75))
 
 
 def hf_compacted_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int,

@@ -118,24 +118,32 @@ def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file
     assert "ΔPPL" in capsys.readouterr().out
 
 
-def test_eval_scores_streaming_eviction(tmp_path: Path) -> None:
+def test_eval_scores_kv_eviction(tmp_path: Path) -> None:
     """SmolLM2 on 512-token windows of held-out text, chunks of 32: a streaming window as long
-    as the text changes nothing; a 64-token window costs perplexity and holds 4x the sequences."""
+    as the text changes nothing; a 64-token window costs perplexity and holds 4x the sequences.
+    SnapKV keeping the whole prompt (the first 256 tokens) changes nothing; keeping a quarter
+    costs a little and holds 1.6x the sequences (20 blocks against 32)."""
     text = tmp_path / "heldout.txt"
     text.write_text("\n\n".join(stdlib_docstrings()[:40]))
     out = tmp_path / "report"
     assert main(["eval", "--data", str(text), "--num-tokens", "512", "--context", "512", "--chunk", "32",
-                 "--kv-cache-dtype", "auto", "--kv-eviction", "none,streaming", "--kv-window", "64,1024",
-                 "--kv-cache-memory", "64MiB", "--out", str(out), "--quiet"]) == 0
+                 "--kv-cache-dtype", "auto", "--kv-eviction", "none,streaming,snapkv", "--kv-window", "64,1024",
+                 "--kv-compression-ratio", "1,0.25", "--kv-cache-memory", "64MiB", "--out", str(out), "--quiet"]) == 0
     rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     assert rows["auto streaming 1024"]["mean_kl"] == 0 and rows["auto streaming 1024"]["delta_ppl_pct"] == 0
     evicting = rows["auto streaming 64"]
     assert evicting["mean_kl"] > 0.01 and evicting["delta_ppl_pct"] > 1 and evicting["top1_agreement"] < 1
     assert evicting["max_concurrency"] >= 4 * rows["auto"]["max_concurrency"]
+    assert rows["auto snapkv 1"]["mean_kl"] == 0 and rows["auto snapkv 1"]["delta_ppl_pct"] == 0
+    compressed = rows["auto snapkv 0.25"]
+    assert compressed["mean_kl"] > 0.001 and compressed["top1_agreement"] < 1
+    assert compressed["mean_kl"] < evicting["mean_kl"]  # only the second half reads a compressed prompt
+    assert compressed["max_concurrency"] >= 1.5 * rows["auto"]["max_concurrency"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["eval", "--kv-eviction", "none,snap"], "--kv-eviction 'snap': expected none or streaming"),
+    (["eval", "--kv-eviction", "none,snap"], "--kv-eviction 'snap': expected none, streaming or snapkv"),
+    (["eval", "--kv-eviction", "snapkv", "--kv-compression-ratio", "0.5,2"], "--kv-compression-ratio '0.5,2'"),
     (["eval", "--kv-eviction", "streaming", "--kv-window", "64,x"], "--kv-window '64,x'"),
     (["eval", "--kv-cache-dtype", "auto,int9"], "unknown KV cache dtype 'int9'"),
     (["eval", "--kv-cache-dtype", "int8:perchannel"], "key scales must be one of"),

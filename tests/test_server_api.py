@@ -93,7 +93,11 @@ def still_serving(base: str) -> None:
     ("/v1/completions", {"prompt": [10**9]}, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "kv_eviction": "streaming", "kv_window": 4096}, "kv_window",
      "kv_window=4096 is more than this server's kv_window=1024"),
-    ("/v1/completions", {"prompt": "hi", "kv_eviction": "snapkv"}, "kv_eviction", "streaming"),
+    ("/v1/completions", {"prompt": "hi", "kv_eviction": "snap"}, "kv_eviction", "snapkv"),
+    ("/v1/completions", {"prompt": "hi", "kv_eviction": "snapkv", "kv_compression_ratio": 0.25},
+     "kv_compression_ratio", "keeps less of the prompt than this server's kv_compression_ratio=0.5"),
+    ("/v1/completions", {"prompt": "hi", "kv_compression_ratio": 0.75}, "kv_compression_ratio",
+     "needs kv_eviction=snapkv"),
     ("/v1/completions", {"prompt": "hi", "kv_window": 64}, "kv_eviction", "need kv_eviction=streaming"),
 ])
 def test_bad_requests_get_a_400_naming_the_field(api: dict[str, Any], path: str, body: dict[str, Any],
@@ -150,6 +154,21 @@ def test_a_streaming_request_runs_past_max_model_len(api: dict[str, Any]) -> Non
     assert r.json()["usage"]["completion_tokens"] == 200
     assert httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"] - before >= 300 - 32 - 3 * 16
     still_serving(api["base"])
+
+
+def test_a_request_asks_for_snapkv(api: dict[str, Any]) -> None:
+    """kv_eviction=snapkv in the body of a server that compresses nothing by default: the
+    request's 100-token prompt keeps 75 tokens after its prefill, and a later request for the
+    same prompt (no eviction) hits the same cached blocks and answers as before."""
+    before = httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"]
+    body = {"prompt": [5 + i % 50 for i in range(100)], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    post(api["base"], "/v1/completions", body)  # publishes the prompt's blocks
+    plain = post(api["base"], "/v1/completions", body)  # hits them
+    r = post(api["base"], "/v1/completions", {**body, "kv_eviction": "snapkv", "kv_compression_ratio": 0.75})
+    assert r.status_code == 200 == plain.status_code, r.text
+    assert httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"] - before == 25
+    again = post(api["base"], "/v1/completions", body)
+    assert again.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
 
 
 def test_waiting_limit_holds_under_a_burst(tiny_chat_model: LoadedModel) -> None:

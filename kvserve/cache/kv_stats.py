@@ -109,10 +109,19 @@ class KVCacheStats:
     num_swapped: int = 0  # requests whose blocks wait in tier 1 now
     groups: list[KVGroupStats] = field(default_factory=list)  # per KV cache group (one for plain models)
     spec_decode: SpecDecodeStats | None = None  # set by the engine when speculative decoding is on
-    # streaming eviction: tokens whose K/V were evicted since start, and those the running (or
-    # swapped-out) requests hold out of the pool now (what eviction saves at this moment)
+    # streaming eviction and prompt compression (snapkv): tokens whose K/V were dropped since
+    # start, and those the running (or swapped-out) requests hold out of the pool now (what
+    # eviction saves at this moment, in bytes too: set by the engine)
     evicted_tokens: int = 0
     evicted_tokens_now: int = 0
+    evicted_bytes_now: int = 0
+
+    @property
+    def kept_ratio(self) -> float:
+        """Of the current requests' tokens, the share whose K/V the pool still holds (1: nothing
+        evicted or compressed away)."""
+        total = self.logical_tokens + self.evicted_tokens_now
+        return self.logical_tokens / total if total else 1.0
 
     @property
     def usage(self) -> float:

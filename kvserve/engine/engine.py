@@ -174,6 +174,7 @@ class LLMEngine:
         self.streaming = self._streaming_window()
         if config.kv_eviction == "snapkv" and self.streaming_refusal is not None:
             raise ConfigError(f"kv_eviction=snapkv: {self.streaming_refusal}")
+        self._compression: dict[str, float] = {}  # snapkv: each compressing request's kept fraction
         self._prompts_scored: set[str] = set()  # snapkv: requests whose prefill was compressed (or kept whole)
         self._sink_keys: dict[str, list[torch.Tensor]] = {}  # streaming: each request's sink keys as written
         self._inv_freq: torch.Tensor | None = None
@@ -279,7 +280,7 @@ class LLMEngine:
         if params.kv_eviction is None and params.kv_window is None and params.kv_sink_tokens is None:
             return self.streaming
         if not self.streams(params.kv_eviction):
-            if params.kv_eviction == "none":
+            if params.kv_window is None and params.kv_sink_tokens is None:  # none or snapkv
                 return None
             raise InvalidRequestError("kv_window and kv_sink_tokens need kv_eviction=streaming (this server "
                                       "does not stream by default)", param="kv_eviction")
@@ -297,6 +298,29 @@ class LLMEngine:
             raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "
                                       f"{self.kv_manager.pool.num_usable_blocks}")
         return window
+
+    def request_compression(self, params: SamplingParams) -> float | None:
+        """The fraction of the request's prompt SnapKV keeps after its prefill (None: it keeps
+        all): its own kv_compression_ratio, at least the engine's (the most it lets a request
+        drop), else the engine's when kv_eviction=snapkv."""
+        cfg = self.config
+        if params.kv_eviction is None and params.kv_compression_ratio is None:
+            return cfg.kv_compression_ratio if cfg.kv_eviction == "snapkv" else None
+        wanted = params.kv_eviction or cfg.kv_eviction
+        if wanted != "snapkv":
+            if params.kv_compression_ratio is None:
+                return None
+            raise InvalidRequestError(f"kv_compression_ratio needs kv_eviction=snapkv (this request's is "
+                                      f"{wanted})", param="kv_compression_ratio")
+        if self.streaming_refusal is not None:
+            raise InvalidRequestError(f"kv_eviction=snapkv is not available here: {self.streaming_refusal}",
+                                      param="kv_eviction")
+        ratio = cfg.kv_compression_ratio if params.kv_compression_ratio is None else params.kv_compression_ratio
+        if ratio < cfg.kv_compression_ratio:
+            raise InvalidRequestError(f"kv_compression_ratio={ratio} keeps less of the prompt than this server's "
+                                      f"kv_compression_ratio={cfg.kv_compression_ratio} allows",
+                                      param="kv_compression_ratio")
+        return ratio
 
     def _streaming_blocks(self, window: StreamingWindow) -> int:
         """Pool blocks one request streaming with ``window`` holds at most (with a prefill chunk
@@ -318,14 +342,14 @@ class LLMEngine:
         self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
                                                            for keys in self._sink_keys[request.request_id]])
 
-    def compress_prompt(self, request: Request) -> bool:
+    def compress_prompt(self, request: Request, ratio: float) -> bool:
         """SnapKV, right after the request's prefill: recompute the last kv_observation_window
-        tokens' queries (their K/V are rewritten as they were), score the prompt per KV head and
-        keep kv_compression_ratio of it. False when nothing was dropped (a short prompt, a ratio
-        of 1, or no pool room for the copy)."""
+        tokens' queries (reading their K/V as cached, never rewriting them: the blocks may be
+        published), score the prompt per KV head and keep ``ratio`` of it. False when nothing was
+        dropped (a short prompt, a ratio of 1, or no pool room for the copy)."""
         cfg, length = self.config, request.num_computed_tokens
         window = min(cfg.kv_observation_window, length)
-        keep = max(window, math.ceil(length * cfg.kv_compression_ratio))
+        keep = max(window, math.ceil(length * ratio))
         if keep >= length:
             return False
         queries: dict[int, torch.Tensor] = {}
@@ -564,6 +588,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
         window = self.request_window(params)
+        compression = self.request_compression(params)
         if window is None and not self.kv_manager.can_ever_fit(len(token_ids)):
             raise InvalidRequestError(
                 f"prompt of {len(token_ids)} tokens can never fit in the KV pool "
@@ -574,6 +599,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if window != self.streaming:
             self.kv_manager.set_window(request_id, window)
+        if compression is not None:
+            self._compression[request_id] = compression
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator().manual_seed(params.seed)
@@ -648,12 +675,13 @@ class LLMEngine:
                     self.requests.pop(request.request_id, None)
                     break
             outputs.append(self._output(request, new_tokens, previous_text))
-        if self.config.kv_eviction == "snapkv":
+        if self._compression:
             for chunk, _ in sampled:  # prefills just completed: compress their prompts once
                 request = chunk.request
-                if not request.finished and request.request_id not in self._prompts_scored:
+                ratio = self._compression.get(request.request_id)
+                if ratio is not None and not request.finished and request.request_id not in self._prompts_scored:
                     self._prompts_scored.add(request.request_id)
-                    self.compress_prompt(request)
+                    self.compress_prompt(request, ratio)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         return outputs
@@ -700,6 +728,7 @@ class LLMEngine:
         self.scheduler.finish(request, reason)
         self._sink_keys.pop(request.request_id, None)
         self._prompts_scored.discard(request.request_id)
+        self._compression.pop(request.request_id, None)
         if self.spec is not None:
             self.spec.free(request.request_id)
 
@@ -738,6 +767,7 @@ class LLMEngine:
         stats.num_preemptions = self.num_preemptions
         stats.kv_cache_dtype = self.kv_cache_dtype
         stats.clip_ratio = self.clip_ratio()
+        stats.evicted_bytes_now = stats.evicted_tokens_now * self.kv_bytes_per_token
         stats.spec_decode = self.spec.snapshot() if self.spec is not None else None
         return stats
 

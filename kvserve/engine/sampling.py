@@ -39,10 +39,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
-    # KV eviction for this request (None: the engine's kv_eviction, kv_window, kv_sink_tokens)
-    kv_eviction: str | None = None  # "none" or "streaming"
+    # KV eviction for this request (None: the engine's kv_eviction, kv_window, kv_sink_tokens,
+    # kv_compression_ratio)
+    kv_eviction: str | None = None  # "none", "streaming" or "snapkv"
     kv_window: int | None = None
     kv_sink_tokens: int | None = None
+    kv_compression_ratio: float | None = None  # snapkv: the fraction of the prompt kept, (0, 1]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,8 +74,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.kv_eviction not in (None, "none", "streaming"):
-            raise ValueError(f"kv_eviction must be none or streaming, got {self.kv_eviction!r}")
+        if self.kv_eviction not in (None, "none", "streaming", "snapkv"):
+            raise ValueError(f"kv_eviction must be none, streaming or snapkv, got {self.kv_eviction!r}")
+        ratio = self.kv_compression_ratio
+        if ratio is not None and not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+            raise ValueError(f"kv_compression_ratio must be in (0, 1] (the fraction of the prompt kept), "
+                             f"got {ratio!r}")
         for name, low in (("kv_window", 1), ("kv_sink_tokens", 0)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low):

@@ -48,7 +48,9 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     fused_rope_write: bool = False  # layers may use the C++ rotary + cache-write op
     kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None  # sees K/V before the write
-    query_observer: Callable[[LayerKV, torch.Tensor], None] | None = None  # sees each layer's rotated queries
+    # a recompute of tokens already cached (SnapKV's observation window): sees each layer's
+    # rotated queries, and their K/V are not written again (the blocks may be shared by then)
+    query_observer: Callable[[LayerKV, torch.Tensor], None] | None = None
 
 
 def use_decode_kernel(device: torch.device) -> bool:

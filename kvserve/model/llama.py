@@ -226,8 +226,9 @@ class DecoderLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
+        rewrite = meta.query_observer is None  # an observed recompute reads the K/V already cached
         if meta.fused_rope_write and self.q_norm is None and kv.holds_as_is(qkv.dtype) \
-                and meta.kv_observer is None:
+                and meta.kv_observer is None and rewrite:
             rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv.data, meta, heads)
             q = qkv[:, :heads]
         elif self.q_norm is not None and self.k_norm is not None:
@@ -236,13 +237,15 @@ class DecoderLayer(nn.Module):
                            rope.cos, rope.sin)
             if meta.kv_observer is not None:
                 meta.kv_observer(kv, k, v)
-            kv.write(k, v, meta.write)
+            if rewrite:
+                kv.write(k, v, meta.write)
         else:  # one rotary call for the query and key heads together
             qk = apply_rope(qkv[:, : heads + kv_heads], rope.cos, rope.sin)
             q = qk[:, :heads]
             if meta.kv_observer is not None:
                 meta.kv_observer(kv, qk[:, heads:], v)
-            kv.write(qk[:, heads:], v, meta.write)
+            if rewrite:
+                kv.write(qk[:, heads:], v, meta.write)
         if meta.query_observer is not None:
             meta.query_observer(kv, q)
         attn = self.o_proj(paged_attention(q, kv, meta, self.scale).view(num_tokens, self.q_size))

@@ -32,10 +32,12 @@ from kvserve.quant.data import read_samples, token_stream
 
 
 class Variant(NamedTuple):
-    name: str  # as given: "int8", "int4:block", "int8:global"; "auto streaming 256" for an eviction row
+    name: str  # as given: "int8", "int4:block", "int8:global"; "auto streaming 256", "auto snapkv 0.5"
     kv_dtype: str
     key_scales: str  # auto, static, block, global
-    kv_window: int = 0  # > 0: kv_eviction=streaming with this window
+    kv_eviction: str = "none"
+    kv_window: int = 0  # streaming's window
+    kv_compression_ratio: float = 1.0  # snapkv: the fraction of each prompt kept
 
 
 class EvalResult(NamedTuple):
@@ -68,49 +70,68 @@ def parse_variants(text: str) -> list[Variant]:
     return variants
 
 
-def streaming_variants(reference: Variant, evictions: str, windows: str) -> list[Variant]:
-    """Rows for ``--kv-eviction none,streaming --kv-window W1,W2``: the reference KV dtype with
-    StreamingLLM eviction at each window (``none`` is the reference row itself)."""
-    names = [e.strip() for e in evictions.split(",") if e.strip()]
-    bad = [e for e in names if e not in ("none", "streaming")]
-    if bad:
-        raise ConfigError(f"--kv-eviction {bad[0]!r}: expected none or streaming")
-    if "streaming" not in names:
-        return []
+def _numbers(flag: str, text: str, kind: type[int] | type[float], low: float, high: float) -> list[Any]:
     try:
-        sizes = [int(w) for w in windows.split(",") if w.strip()]
+        values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--kv-window {windows!r}: expected comma-separated token counts") from None
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(f"--kv-window {windows!r}: expected token counts >= 1")
-    return [Variant(f"{reference.name} streaming {w}", reference.kv_dtype, reference.key_scales, w) for w in sizes]
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated numbers") from None
+    if not values or not all(low <= v <= high for v in values):
+        raise ConfigError(f"{flag} {text!r}: expected values in [{low:g}, {high:g}]")
+    return values
 
 
-def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+def eviction_variants(reference: Variant, evictions: str, windows: str, ratios: str) -> list[Variant]:
+    """Rows for ``--kv-eviction none,streaming,snapkv``: the reference KV dtype with StreamingLLM
+    at each ``--kv-window`` and SnapKV at each ``--kv-compression-ratio`` (``none`` is the
+    reference row itself)."""
+    names = [e.strip() for e in evictions.split(",") if e.strip()]
+    bad = [e for e in names if e not in ("none", "streaming", "snapkv")]
+    if bad:
+        raise ConfigError(f"--kv-eviction {bad[0]!r}: expected none, streaming or snapkv")
+    rows = []
+    if "streaming" in names:
+        rows += [reference._replace(name=f"{reference.name} streaming {w}", kv_eviction="streaming", kv_window=w)
+                 for w in _numbers("--kv-window", windows, int, 1, math.inf)]
+    if "snapkv" in names:
+        rows += [reference._replace(name=f"{reference.name} snapkv {r:g}", kv_eviction="snapkv",
+                                    kv_compression_ratio=r)
+                 for r in _numbers("--kv-compression-ratio", ratios, float, 1e-6, 1.0)]
+    return rows
+
+
+def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
+                   prompt_len: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
     """Teacher-forced chunked prefill of ``tokens`` through the engine's paged cache, request id
     ``eval``: for each chunk (start, log-probabilities [chunk tokens, vocab] of the token after
     each), its blocks still held at each yield and freed at the end. A streaming engine evicts
-    before each chunk (the chunk's first query keeps the sinks and its window)."""
+    before each chunk (the chunk's first query keeps the sinks and its window). The first
+    ``prompt_len`` tokens are the prompt: chunks end at its end, and an engine with
+    kv_eviction=snapkv then compresses it as it compresses a served prompt after its prefill."""
     request = Request("eval", list(tokens), SamplingParams(max_tokens=1), -1)
+    compression = engine.request_compression(request.params)
     kv = engine.kv_manager
+    starts = [*range(0, prompt_len, chunk), *range(prompt_len, len(tokens), chunk)]
     try:
-        for start in range(0, len(tokens), chunk):
-            end = min(len(tokens), start + chunk)
-            if engine.streaming is not None:
+        for start, end in zip(starts, [*starts[1:], len(tokens)], strict=True):
+            if engine.kv_manager.window_of(request.request_id) is not None:
                 engine.evict(request)
             if not kv.allocate_slots(request.request_id, end):
                 raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
             engine.model.extend_rope(end)
             _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
             request.num_computed_tokens = end
+            if end == prompt_len and compression is not None:
+                engine.compress_prompt(request, compression)
             yield start, torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
     finally:
         kv.free(request.request_id)
 
 
 def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
-    """Log-probabilities [len-1, vocab] of each next token (chunk_logprobs, concatenated)."""
-    return torch.cat([rows for _, rows in chunk_logprobs(engine, tokens, chunk)])[:-1]
+    """Log-probabilities [len-1, vocab] of each next token (chunk_logprobs, concatenated); with
+    kv_eviction=snapkv the first half of ``tokens`` is the prompt it compresses."""
+    prompt_len = len(tokens) // 2 if engine.config.kv_eviction == "snapkv" else 0
+    return torch.cat([rows for _, rows in chunk_logprobs(engine, tokens, chunk, prompt_len)])[:-1]
 
 
 class _Totals:
@@ -129,7 +150,7 @@ class _Totals:
 
 def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[Variant], *, context: int,
              chunk: int, kv_scales: str | None, kv_cache_memory: str, block_size: int,
-             progress: bool = True, kv_sink_tokens: int = 4) -> list[EvalResult]:
+             progress: bool = True, kv_sink_tokens: int = 4, kv_observation_window: int = 32) -> list[EvalResult]:
     """Score ``tokens`` in windows of ``context`` under every variant; the first is the reference."""
     engines = []
     for v in variants:
@@ -137,8 +158,9 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
                            kv_scales=kv_scales, block_size=block_size,
                            kv_cache_memory=kv_cache_memory, enable_prefix_caching=False, max_num_seqs=1,
                            max_model_len=context, max_num_batched_tokens=chunk,
-                           kv_eviction="streaming" if v.kv_window else "none", kv_window=v.kv_window or 1024,
-                           kv_sink_tokens=kv_sink_tokens)
+                           kv_eviction=v.kv_eviction, kv_window=v.kv_window or 1024,
+                           kv_sink_tokens=kv_sink_tokens, kv_compression_ratio=v.kv_compression_ratio,
+                           kv_observation_window=kv_observation_window)
         engines.append(LLMEngine(config, loaded=loaded))
     windows = [tokens[i : i + context] for i in range(0, len(tokens), context)]
     windows = [w for w in windows if len(w) > 1]
@@ -184,11 +206,16 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
 
 
 def held_blocks(engine: LLMEngine, context: int, chunk: int) -> int:
-    """Blocks one window of ``context`` tokens holds at its peak: all of them, or with streaming
-    eviction its sinks, its window and a chunk."""
-    size = engine.config.block_size
+    """Blocks one window of ``context`` tokens holds at its end: all of them; with streaming
+    eviction its sinks, its window and a chunk; with snapkv its compressed prompt (the first
+    half) and the rest (its whole prompt only while that prefills)."""
+    size, cfg = engine.config.block_size, engine.config
     if engine.streaming is not None:
         return min(cdiv(context, size), engine.streaming.blocks_held(size, chunk))
+    if cfg.kv_eviction == "snapkv":
+        prompt = context // 2
+        kept = max(min(cfg.kv_observation_window, prompt), math.ceil(prompt * cfg.kv_compression_ratio))
+        return cdiv(kept + context - prompt, size)
     return cdiv(context, size)
 
 
@@ -234,10 +261,16 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated variants, the first is the reference; DTYPE[:static|block|global]")
     parser.add_argument("--kv-scales", default=None, help="calibration file (kvserve calibrate)")
     parser.add_argument("--kv-eviction", default="none",
-                        help="none,streaming: also score the reference dtype with StreamingLLM eviction at each "
-                             "--kv-window (a chunk's first query keeps the sinks and its window)")
+                        help="none,streaming,snapkv: also score the reference dtype with StreamingLLM eviction at "
+                             "each --kv-window (a chunk's first query keeps the sinks and its window) and with "
+                             "SnapKV at each --kv-compression-ratio (each window's first half is the prompt, "
+                             "compressed once after its prefill; every row scores every token)")
     parser.add_argument("--kv-window", default="256,512,1024", help="streaming windows to score, comma-separated")
     parser.add_argument("--kv-sink-tokens", type=int, default=4, help="streaming: attention sink tokens")
+    parser.add_argument("--kv-compression-ratio", default="0.25,0.5,0.75",
+                        help="snapkv: fractions of the prompt kept, comma-separated")
+    parser.add_argument("--kv-observation-window", type=int, default=32,
+                        help="snapkv: the last prompt tokens whose attention scores the rest")
     parser.add_argument("--num-tokens", type=int, default=20480, help="held-out tokens to score")
     parser.add_argument("--context", type=int, default=2048, help="window length: contexts up to this")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read the cache)")
@@ -253,7 +286,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if getattr(args, name) < 2:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
     variants = parse_variants(args.kv_cache_dtype)
-    variants += streaming_variants(variants[0], args.kv_eviction, args.kv_window)
+    variants += eviction_variants(variants[0], args.kv_eviction, args.kv_window, args.kv_compression_ratio)
     probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)  # validates
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
@@ -272,7 +305,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           f"{args.num_tokens}")
     results = evaluate(loaded, args.model, tokens, variants, context=args.context, chunk=args.chunk,
                        kv_scales=args.kv_scales, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                       progress=not args.quiet, kv_sink_tokens=args.kv_sink_tokens)
+                       progress=not args.quiet, kv_sink_tokens=args.kv_sink_tokens,
+                       kv_observation_window=args.kv_observation_window)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"model": args.model, "data": args.data, "tokens": len(tokens), "context": args.context,

@@ -208,7 +208,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "swap_fallbacks": s.swap_fallbacks, "num_swapped": s.num_swapped,
                 "groups": [asdict(g) for g in s.groups], "per_request_blocks": s.per_request_blocks,
                 "spec_decode": _spec_decode_json(s.spec_decode),
-                "evicted_tokens": s.evicted_tokens, "evicted_tokens_now": s.evicted_tokens_now}
+                "evicted_tokens": s.evicted_tokens, "evicted_tokens_now": s.evicted_tokens_now,
+                "evicted_bytes_now": s.evicted_bytes_now, "kept_ratio": s.kept_ratio}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:

@@ -52,8 +52,12 @@ class _PoolCollector:
             "prefix_cache_cached_blocks": ("Blocks holding a published prefix", cache.cached_blocks),
             "kv_cache_clip_ratio": ("Share of cached K/V values clipped by static (calibrated) quantization "
                                     "scales: drift from the calibration data", stats.clip_ratio),
-            "kv_evicted_tokens_now": ("Tokens the current requests hold out of the pool by streaming eviction",
-                                      stats.evicted_tokens_now),
+            "kv_evicted_tokens_now": ("Tokens the current requests hold out of the pool by streaming eviction "
+                                      "or prompt compression", stats.evicted_tokens_now),
+            "kv_evicted_bytes_now": ("KV bytes that eviction and compression save at this moment",
+                                     stats.evicted_bytes_now),
+            "kv_eviction_kept_ratio": ("Of the current requests' tokens, the share whose K/V the pool holds "
+                                       "(1: nothing evicted)", stats.kept_ratio),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
@@ -65,7 +69,8 @@ class _PoolCollector:
             "kv_swaps_out": ("Requests preempted by swapping their blocks to tier 1", stats.swaps_out),
             "kv_swaps_in": ("Swapped-out requests brought back into the pool", stats.swaps_in),
             "kv_swap_fallbacks": ("Swap preemptions that recomputed instead: tier 1 was full", stats.swap_fallbacks),
-            "kv_evicted_tokens": ("Tokens whose K/V streaming eviction freed", stats.evicted_tokens),
+            "kv_evicted_tokens": ("Tokens whose K/V streaming eviction or prompt compression dropped",
+                                  stats.evicted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"kvserve:{name}", doc, value=value)

@@ -64,10 +64,12 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    # kvserve's extra: this request's KV eviction (within the server's kv_window)
-    kv_eviction: Literal["none", "streaming"] | None = None
+    # kvserve's extra: this request's KV eviction (within the server's kv_window, keeping at least
+    # its kv_compression_ratio)
+    kv_eviction: Literal["none", "streaming", "snapkv"] | None = None
     kv_window: Annotated[int, Field(ge=1)] | None = None
     kv_sink_tokens: Annotated[int, Field(ge=0)] | None = None
+    kv_compression_ratio: Annotated[float, Field(gt=0, le=1)] | None = None
 
     @field_validator("seed")
     @classmethod
@@ -120,7 +122,7 @@ class _Sampling(_Strict):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             min_tokens=min(self.min_tokens, max_tokens), kv_eviction=self.kv_eviction, kv_window=self.kv_window,
-            kv_sink_tokens=self.kv_sink_tokens)
+            kv_sink_tokens=self.kv_sink_tokens, kv_compression_ratio=self.kv_compression_ratio)
 
 
 class CompletionRequest(_Sampling):
