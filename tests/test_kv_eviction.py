@@ -49,10 +49,10 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 def hf_streaming_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, sinks: int, window: int,
                         block_size: int) -> list[int]:
     """The same policy through HF's own model, cache and rotary code: before each decode step,
-    keep the first whole blocks covering ``sinks`` tokens and the blocks from the one holding
-    position (p - window + 1) on, for the new token at absolute position p; queries and the
-    window's keys keep absolute positions, the sink keys are turned by the evicted count from
-    their keys as first computed."""
+    for the new token at absolute position p, the window starts at the block holding position
+    (p - window + 1); keep the first ``sinks`` tokens and, from the window's start less the
+    sink blocks' spare slots, every token on. Queries and those keys keep absolute positions;
+    the sink keys are turned by the evicted count from their keys as first computed."""
     from transformers import DynamicCache
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -66,19 +66,19 @@ def hf_streaming_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, 
     with torch.no_grad():
         for _ in range(max_new_tokens):
             p = int(positions[0, -1])  # the query's absolute position
-            keep_from = (p - window + 1) // block_size * block_size
-            if positions.shape[1] == 1 and keep_from - sink_len > shift:
+            window_start = (p - window + 1) // block_size * block_size
+            if positions.shape[1] == 1 and window_start - sink_len > shift:
                 layers = cache.layers
                 if originals is None:
-                    originals = [layer.keys[:, :, :sink_len].clone() for layer in layers]
-                drop = keep_from - sink_len - shift  # cache entries past the sinks to remove
-                shift += drop
-                cos, sin = model.model.rotary_emb(originals[0], torch.tensor([[shift] * sink_len]))
+                    originals = [layer.keys[:, :, :sinks].clone() for layer in layers]
+                keep_from = window_start - (sink_len - sinks)  # absolute; at cache index keep_from - shift
+                cut = keep_from - shift
+                shift = window_start - sink_len
+                cos, sin = model.model.rotary_emb(originals[0], torch.tensor([[shift] * sinks]))
                 for layer, original in zip(layers, originals, strict=True):
                     turned, _ = apply_rotary_pos_emb(original, original, cos, sin)
-                    layer.keys = torch.cat([turned, layer.keys[:, :, sink_len + drop :]], dim=2)
-                    layer.values = torch.cat([layer.values[:, :, :sink_len], layer.values[:, :, sink_len + drop :]],
-                                             dim=2)
+                    layer.keys = torch.cat([turned, layer.keys[:, :, cut:]], dim=2)
+                    layer.values = torch.cat([layer.values[:, :, :sinks], layer.values[:, :, cut:]], dim=2)
             length = cache.get_seq_length()
             out = model(input_ids=inputs, position_ids=positions, cache=cache, use_cache=True,
                         cache_position=torch.arange(length, length + inputs.shape[1]))
@@ -100,7 +100,7 @@ def test_window_longer_than_the_sequence_changes_nothing(tiny_model_factory: Cal
     assert engine.kv_manager.evicted == {}
 
 
-@pytest.mark.parametrize("block_size,sinks,window", [(8, 4, 32), (16, 16, 24), (1, 4, 20)])
+@pytest.mark.parametrize("block_size,sinks,window", [(8, 4, 32), (16, 16, 24), (1, 4, 20), (16, 4, 24)])
 def test_streaming_matches_hf_with_the_same_policy(tiny_model_factory: Callable[..., Path], block_size: int,
                                                    sinks: int, window: int) -> None:
     """Evicting blocks and turning the sinks' keys gives HF transformers' tokens when its own

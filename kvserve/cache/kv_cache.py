@@ -604,6 +604,12 @@ class PagedKVCache:
         for layer, layer_keys in zip(self.storage, keys, strict=True):
             layer.data[ids, :kv_heads] = layer_keys.to(layer.data.dtype)
 
+    def copy_slots(self, src: int, dst: int, start: int) -> None:
+        """Copy the K/V in slots ``start`` to the end of block ``src`` onto the same slots of block
+        ``dst``, every storage layer (float pools)."""
+        for layer in self.storage:
+            layer.data[dst, :, start:] = layer.data[src, :, start:]
+
     def gather_tokens(self, old_ids: list[int], new_ids: list[int], index: list[torch.Tensor]) -> None:
         """Copy a sequence's kept tokens from its blocks ``old_ids`` into ``new_ids``: in storage
         layer l, head h's j-th slot gets the K/V of its token index[l][h, j] (positions in the

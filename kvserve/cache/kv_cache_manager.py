@@ -61,13 +61,18 @@ class StreamingWindow(NamedTuple):
     (the attention sinks) and those of the last ``window`` tokens; the blocks between are
     evicted as the sequence grows (KVCacheManager.evict). A query sees the sinks and its last
     ``window`` to ``window + block_size - 1`` tokens (a prefill chunk's later queries up to a
-    chunk more)."""
+    chunk more), plus the ``spare_slots`` tokens before those: the last sink block's slots past
+    the sinks hold the tokens just before the window, not the prompt's first tokens."""
 
     sink_tokens: int
     window: int
 
     def sink_blocks(self, block_size: int) -> int:
         return cdiv(self.sink_tokens, block_size)
+
+    def spare_slots(self, block_size: int) -> int:
+        """Slots of the last sink block past the sinks."""
+        return self.sink_blocks(block_size) * block_size - self.sink_tokens
 
     def blocks_held(self, block_size: int, chunk: int = 1) -> int:
         """A sequence's most blocks, however long it grows: the sinks, the window's, a chunk's."""
@@ -84,6 +89,11 @@ class Eviction(NamedTuple):
     sink_block_ids: list[int]
     shift: int
     first: bool  # the request's first eviction: its sinks still hold their keys as written
+    # the last block evicted, freed but not yet reused: its slots past the sinks hold the tokens
+    # just before the window, at positions that fit the last sink block's spare slots (None: no
+    # spare slots)
+    donor_block_id: int | None = None
+    spare_from: int = 0  # the last sink block's first spare slot
 
 
 class KVCacheManager:
@@ -231,7 +241,9 @@ class KVCacheManager:
         self._logical_tokens -= drop * size
         self.evicted[request_id] = evicted + drop * size
         self.num_evicted_tokens += drop * size
-        return Eviction([block.block_id for block in table[:sinks]], evicted + drop * size, evicted == 0)
+        donor = dead[-1].block_id if window.spare_slots(size) else None
+        return Eviction([block.block_id for block in table[:sinks]], evicted + drop * size, evicted == 0, donor,
+                        size - window.spare_slots(size))
 
     def _hashes(self, request_id: str, tokens: TokenReader, num_blocks: int) -> list[bytes]:
         """Keys of the request's first ``num_blocks`` full blocks (computed once, then kept)."""

@@ -330,7 +330,11 @@ class LLMEngine:
     def evict(self, request: Request) -> None:
         """Streaming: free the request's blocks between its sinks and the window of its next
         token, and turn its sink keys to their new cache positions (from the keys as first
-        written, so that rounding never accumulates). Before a step computes the request."""
+        written, so that rounding never accumulates). The last sink block's spare slots then take
+        the tokens just before the window from the last block freed (before anything can reuse
+        it): their absolute positions are already right there, and the prompt's first tokens past
+        the sinks would cost quality (measured against kvpress). Before a step computes the
+        request."""
         eviction = self.kv_manager.evict(request.request_id, request.num_computed_tokens)
         if eviction is None:
             return
@@ -341,6 +345,8 @@ class LLMEngine:
         cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), self._inv_freq)
         self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
                                                            for keys in self._sink_keys[request.request_id]])
+        if eviction.donor_block_id is not None:
+            self.kv_cache.copy_slots(eviction.donor_block_id, eviction.sink_block_ids[-1], eviction.spare_from)
 
     def compress_prompt(self, request: Request, ratio: float) -> bool:
         """SnapKV, right after the request's prefill: recompute the last kv_observation_window
