@@ -8,6 +8,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LoadedModel
+from kvserve.engine.request import Request
 from tests.conftest import first_divergence_is_near_tie, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -78,6 +79,29 @@ def test_stream_matches_generate_and_text(smollm: LoadedModel) -> None:
     assert "".join(c.new_text for c in chunks) == full.text
     assert "Paris" in full.text
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+
+
+def test_streamed_text_is_incremental_and_exact(smollm: LoadedModel) -> None:
+    """A stream decodes only its new tokens (with the last ones before them as context), and the
+    pieces join to the full decode: over characters split across byte tokens, and a hot sample."""
+    llm = LLM(loaded=smollm, kv_cache_memory="64MiB", max_model_len=1024)
+    tokenizer = llm.tokenizer
+    assert tokenizer is not None
+    ids = tokenizer.encode("naïve café — 東京 🙂👍🏽 x  \n\tdone. Ünïcödé")
+    assert any(tokenizer.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))  # split characters
+    request = Request("r", [1], SamplingParams(), 0)
+    for token in ids:
+        request.output_token_ids.append(token)
+        llm.engine._detokenize(request)
+        assert not request.output_text.endswith("\ufffd")
+        assert tokenizer.decode(request.output_token_ids).startswith(request.output_text)
+    assert request.output_text == tokenizer.decode(ids)
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=64, ignore_eos=True)
+    full = llm.generate("Write in many languages:", params)[0]
+    chunks = list(llm.stream("Write in many languages:", params))
+    assert [t for c in chunks for t in c.new_token_ids] == full.token_ids
+    assert "".join(c.new_text for c in chunks) == full.text == tokenizer.decode(full.token_ids,
+                                                                                 skip_special_tokens=True)
 
 
 def test_cli_generate_end_to_end(tmp_path: Any) -> None:

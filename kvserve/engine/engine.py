@@ -697,12 +697,27 @@ class LLMEngine:
             return ""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
+    def _detokenize(self, request: Request, final: bool = False) -> None:
+        """Append the new tokens' text to ``output_text``, decoding them with the tokens of the
+        previous call before them (a word's leading space, a character split over tokens), so that
+        a long stream costs O(1) per token, not a decode of everything so far. Until ``final``, an
+        incomplete character waits for its next token."""
+        ids = request.output_token_ids
+        prefix, read = request.detok_prefix, request.detok_read
+        if read == len(ids):
+            return
+        before, after = self._decode(ids[prefix:read]), self._decode(ids[prefix:])
+        if after.endswith("\ufffd") and not final:
+            return
+        request.output_text += after[len(before):]
+        request.detok_prefix, request.detok_read = read, len(ids)
+
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.params
         reason: str | None = None
         incremental = bool(params.stop) or request.stream
         if incremental:
-            request.output_text = self._decode(request.output_token_ids)
+            self._detokenize(request)
         may_stop = len(request.output_token_ids) >= params.min_tokens  # before that, stops are masked
         if not may_stop:
             pass
@@ -728,6 +743,8 @@ class LLMEngine:
         if reason is not None:
             if not incremental:
                 request.output_text = self._decode(request.output_token_ids)
+            elif request.stop_reason is None or isinstance(request.stop_reason, int):
+                self._detokenize(request, final=True)  # what an incomplete character left
             self._finish(request, reason)
 
     def _finish(self, request: Request, reason: str) -> None:

@@ -40,6 +40,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     output_text: str = ""
+    # incremental detokenization (LLMEngine._detokenize): output_text covers the tokens before
+    # detok_read; the tokens from detok_prefix on give the next token's text its context
+    detok_prefix: int = 0
+    detok_read: int = 0
     stream: bool = False  # detokenize every step (for streaming) instead of once at the end
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
 
