@@ -20,6 +20,12 @@ many tokens, with the full cache (up to SmolLM2's 8,192 positions), StreamingLLM
 a 1,024-token window) and the window alone, checks the streaming request's blocks after every
 chunk, and plots the negative log-likelihood per 1,024 tokens (kv_eviction_curve.png).
 
+    python benchmarks/kv_eviction.py --generate-curve 20000 --out docs/results/kv_eviction_generate.json
+
+samples 20,000 tokens in one request (temperature 1, seed 0) with 4 sinks and a 1,024-token
+window, checks its blocks after every token, and plots the NLL of the sampled tokens per 1,024
+(kv_eviction_generate.png), with the full cache's run up to SmolLM2's 8,192 positions.
+
     python benchmarks/kv_eviction.py --kvpress /path/to/kvpress-venv/bin/python \
         --out docs/results/kv_eviction_kvpress.json
 
@@ -40,8 +46,9 @@ in kvpress (``DecodingPress(StreamingLLMPress)``, compressing after every chunk)
 
     python benchmarks/kv_eviction.py --capacity --out docs/results/kv_eviction_capacity.json
 
-what kvpress cannot report: 16 questions about 2,048-token held-out texts, 128 output tokens
-each, in a KV pool that holds four of them whole (bf16 model, chunked prefill of 2,048): the
+what kvpress cannot report: 16 questions about 2,048-token held-out texts with 128 output tokens
+each, then 16 about 1,024-token texts with 512 each, in a KV pool that holds four of them whole
+(bf16 model, chunked prefill of a whole prompt): the
 most sequences running at once, preemptions, and output tok/s, with the full cache, SnapKV
 keeping 50% and 25% of each prompt, and StreamingLLM with a 512-token window.
 """
@@ -182,23 +189,77 @@ def ppl_curve(num_tokens: int, out: Path | None, chunk: int = 32, window: int = 
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"cpu": cpu_name(), "chunk": chunk, "window": window, "bucket": bucket,
                                    "model_positions": limit, "mean_nll_per_bucket": table}, indent=1))
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for name, values in table.items():
-            ax.plot([bucket * (i + 0.5) for i in range(len(values))], values, marker="o", label=name)
-        ax.axvline(limit, color="grey", linestyle=":", label=f"SmolLM2's {limit} positions")
-        ax.set_xlabel("token position")
-        ax.set_ylabel(f"mean NLL per {bucket} tokens")
-        ax.set_title("SmolLM2-135M, teacher-forced held-out text")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=100)
+        plot_buckets(table, bucket, limit, "SmolLM2-135M, teacher-forced held-out text", out)
 
 
+def generate_curve(num_tokens: int, out: Path | None, window: int = 1024) -> None:
+    """One request sampling ``num_tokens`` tokens (temperature 1, seeded) with StreamingLLM: its
+    blocks checked after every token against their bound, and the NLL of each sampled token (the
+    model's own distribution) per 1,024 tokens; the full cache's run of the same prompt and seed
+    up to SmolLM2's positions for reference."""
+    from tqdm import tqdm
+
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    limit = loaded.config.max_position_embeddings
+    curves: dict[str, list[float]] = {}
+    held: dict[str, list[int]] = {}
+    for name, kwargs in (("full cache", {}),
+                         (f"streaming (4 sinks + {window})", {"kv_eviction": "streaming", "kv_window": window})):
+        llm = LLM(loaded=loaded, dtype="float32", kv_cache_memory="2GiB", enable_prefix_caching=False, **kwargs)
+        prompt = llm.apply_chat_template([{"role": "user", "content": STORY}])
+        total = num_tokens if kwargs else limit - len(prompt)
+        params = SamplingParams(max_tokens=total, temperature=1.0, seed=0, ignore_eos=True, logprobs=0)
+        engine = llm.engine
+        bound = engine.streaming.blocks_held(16) if engine.streaming is not None else None
+        blocks: list[int] = []
+        request = engine.add_request(prompt, params)
+        with tqdm(total=total, desc=name, unit="tok", mininterval=10) as bar:
+            while not request.finished:
+                engine.step()
+                tables = engine.kv_manager.block_tables.get(request.request_id)
+                used = len(tables[0]) if tables else 0
+                assert bound is None or used <= bound, f"the streaming request holds {used} blocks, bound {bound}"
+                blocks.append(used)
+                bar.update(len(request.output_token_ids) - bar.n)
+        assert len(request.output_token_ids) == total
+        curves[name], held[name] = [-lp for lp in request.output_logprobs], blocks
+        del llm
+    bucket = 1024
+    table = {name: [sum(c[i : i + bucket]) / len(c[i : i + bucket]) for i in range(0, len(c), bucket)]
+             for name, c in curves.items()}
+    for name, values in table.items():
+        print(f"{name:28s} " + " ".join(f"{v:.2f}" for v in values))
+        print(f"{'':28s} blocks held: max {max(held[name])}, over the last half "
+              f"{min(held[name][len(held[name]) // 2:])}..{max(held[name][len(held[name]) // 2:])}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cpu": cpu_name(), "window": window, "bucket": bucket, "model_positions": limit,
+                                   "mean_nll_per_bucket": table,
+                                   "blocks_held": {n: {"max": max(b), "last_half_min": min(b[len(b) // 2:]),
+                                                       "last_half_max": max(b[len(b) // 2:])}
+                                                   for n, b in held.items()}}, indent=1))
+        plot_buckets(table, bucket, limit, "SmolLM2-135M, its own sampled text (temperature 1)", out)
+
+
+def plot_buckets(table: dict[str, list[float]], bucket: int, limit: int, title: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, values in table.items():
+        ax.plot([bucket * (i + 0.5) for i in range(len(values))], values, marker="o", label=name)
+    ax.axvline(limit, color="grey", linestyle=":", label=f"SmolLM2's {limit} positions")
+    ax.set_xlabel("token position")
+    ax.set_ylabel(f"mean NLL per {bucket} tokens")
+    ax.set_title(title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+
+
+STORY = "Tell me a long story about a lighthouse keeper."
 HAYSTACK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTIONS = ("What is the text above about? Answer in two sentences.",
              "Which Python feature does the text above explain first, and how is it used?",
@@ -308,9 +369,12 @@ def kvpress_ppl(python: str, out: Path | None, windows: tuple[int, ...] = (256, 
     theirs = run_kvpress(python, {"ppl": {"tokens": tokens, "context": context, "chunk": chunk,
                                           "windows": list(windows), "sinks": SINKS}})["ppl"]
     rows = []
-    for r, t in zip(ours, theirs, strict=True):
+    twins = [theirs[0]] + [next(t for t in theirs if t["name"] == name and t["window"] == w)
+                           for w in windows for name in ("streaming", "streaming-ordered")]
+    for r, t in zip([ours[0]] + [o for o in ours[1:] for _ in range(2)], twins, strict=True):
         ppl = math.exp(t["nll"] / t["count"])
-        rows.append({"config": r.name, "kvserve_ppl": r.ppl, "kvpress_ppl": ppl, "kvserve_kl": r.mean_kl,
+        config = r.name if t["name"] != "streaming-ordered" else f"{r.name} vs kvpress time-ordered"
+        rows.append({"config": config, "kvserve_ppl": r.ppl, "kvpress_ppl": ppl, "kvserve_kl": r.mean_kl,
                      "kvpress_kl": t["kl"] / t["count"], "kvserve_top1": r.top1_agreement,
                      "kvpress_top1": t["agree"] / t["count"], "kvserve_s": r.seconds, "kvpress_s": t["seconds"]})
     base_ours, base_theirs = rows[0]["kvserve_ppl"], rows[0]["kvpress_ppl"]
@@ -449,9 +513,31 @@ def report_from_json(path: Path) -> None:
     path.write_text(json.dumps({**saved, **report}, indent=1))
 
 
-def capacity(out: Path | None, requests: int = 16, length: int = 2048, output: int = 128) -> None:
-    """Concurrency and throughput gained at a fixed pool (see the module docstring)."""
+def capacity(out: Path | None, requests: int = 16,
+             workloads: tuple[tuple[int, int], ...] = ((2048, 128), (1024, 512))) -> None:
+    """Concurrency and throughput gained at a fixed pool, per (prompt, output) length (see the
+    module docstring)."""
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    results, tables = [], []
+    for length, output in workloads:
+        rows, pool = capacity_rows(loaded, requests, length, output)
+        base = rows[0]["output_tok_s"]
+        lines = [f"{requests} requests of {length} prompt + {output} output tokens, a pool of "
+                 f"{pool / 2**20:.1f} MiB (four whole sequences):", "",
+                 "| config | peak running | preemptions | output tok/s | vs full cache | wall s |", "|---" * 6 + "|"]
+        for r in rows:
+            lines.append(f"| {r['config']} | {r['peak_running']} | {r['preemptions']} | {r['output_tok_s']:.1f} | "
+                         f"{r['output_tok_s'] / base:.2f}x | {r['seconds']:.1f} |")
+        tables.append("\n".join(lines))
+        print(tables[-1], flush=True)
+        results.append({"prompt_tokens": length, "output_tokens": output, "pool_bytes": pool, "rows": rows})
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cpu": cpu_name(), "requests": requests, "workloads": results,
+                                   "table": "\n\n".join(tables)}, indent=1))
+
+
+def capacity_rows(loaded: Any, requests: int, length: int, output: int) -> tuple[list[dict[str, Any]], int]:
     common: dict[str, Any] = {"dtype": "bfloat16", "enable_prefix_caching": False, "max_num_seqs": requests,
                               "max_num_batched_tokens": length, "block_size": 16}
     probe = LLM(loaded=loaded, kv_cache_memory="64MiB", **common)
@@ -475,16 +561,7 @@ def capacity(out: Path | None, requests: int = 16, length: int = 2048, output: i
                      "pool_blocks": stats.num_blocks, "peak_blocks_used": stats.peak_blocks_used})
         print(rows[-1], flush=True)
         del llm
-    base = rows[0]["output_tok_s"]
-    lines = ["| config | peak running | preemptions | output tok/s | vs full cache | wall s |", "|---" * 6 + "|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['peak_running']} | {r['preemptions']} | {r['output_tok_s']:.1f} | "
-                     f"{r['output_tok_s'] / base:.2f}x | {r['seconds']:.1f} |")
-    print("\n".join(lines))
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"cpu": cpu_name(), "requests": requests, "prompt_tokens": length,
-                                   "output_tokens": output, "pool_bytes": pool, "rows": rows}, indent=1))
+    return rows, pool
 
 
 def main() -> None:
@@ -492,6 +569,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--ppl-curve", type=int, default=0, metavar="TOKENS",
                         help="only score one sequence of this many held-out tokens (see the module docstring)")
+    parser.add_argument("--generate-curve", type=int, default=0, metavar="TOKENS",
+                        help="only sample this many tokens with StreamingLLM (see the module docstring)")
     parser.add_argument("--kvpress", default=None, metavar="PYTHON",
                         help="compare with kvpress run by this venv's python (see the module docstring)")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON",
@@ -503,6 +582,9 @@ def main() -> None:
     torch.set_num_threads(2)
     if args.capacity:
         capacity(args.out)
+        return
+    if args.generate_curve:
+        generate_curve(args.generate_curve, args.out)
         return
     if args.report:
         report_from_json(args.report)

@@ -17,7 +17,8 @@ With a "ppl" entry instead (``benchmarks/kv_eviction.py --kvpress PYTHON --ppl``
 tokens teacher-forced in windows of ``context``, chunk by chunk, with the full cache and with
 kvpress's decoding-time StreamingLLM (``DecodingPress(StreamingLLMPress)``, compressing the cache
 to the sinks and the last ``window`` tokens after every chunk; positions absolute, as kvpress
-keeps them): the summed NLL, KL against the full cache and top-1 agreement.
+keeps them), as it is and with its kept tokens kept in time order (TimeOrderedStreamingLLMPress):
+the summed NLL, KL against the full cache and top-1 agreement.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def make_press(method: str, ratio: float, window: int, sinks: int) -> Any:
     if method == "streaming-rerotated":  # the paper's positions within the cache
         return KeyRerotationPress(StreamingLLMPress(compression_ratio=ratio, n_sink=sinks))
     raise ValueError(method)
+
+
+class TimeOrderedStreamingLLMPress(StreamingLLMPress):  # type: ignore[misc]
+    """StreamingLLMPress whose kept tokens stay in time order. ScorerPress keeps ``topk``'s
+    indices as they come, ties in any order, so after one compression the cache is shuffled and a
+    second one (DecodingPress) takes the wrong "first" tokens as sinks and evicts at random; a
+    tiebreak falling with the index makes topk return the kept tokens in order."""
+
+    def score(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        scores = super().score(*args, **kwargs)
+        return scores - torch.arange(scores.shape[-1], device=scores.device) * (0.5 / scores.shape[-1])
 
 
 @torch.inference_mode()
@@ -96,7 +108,8 @@ def window_logprobs(model: Any, tokens: list[int], chunk: int, press: Any) -> to
 def perplexity(model: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     tokens, context, chunk = spec["tokens"], spec["context"], spec["chunk"]
     windows = [tokens[i : i + context] for i in range(0, len(tokens), context)]
-    configs: list[tuple[str, int]] = [("full cache", 0)] + [("streaming", w) for w in spec["windows"]]
+    configs: list[tuple[str, int]] = [("full cache", 0)] + [(name, w) for w in spec["windows"]
+                                                            for name in ("streaming", "streaming-ordered")]
     totals = {c: {"name": c[0], "window": c[1], "nll": 0.0, "kl": 0.0, "agree": 0, "count": 0, "seconds": 0.0}
               for c in configs}
     for window in windows:
@@ -104,7 +117,8 @@ def perplexity(model: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
         reference = None
         for config in configs:
             start = time.perf_counter()
-            press = None if not config[1] else DecodingPress(StreamingLLMPress(n_sink=spec["sinks"]),
+            streaming = TimeOrderedStreamingLLMPress if config[0] == "streaming-ordered" else StreamingLLMPress
+            press = None if not config[1] else DecodingPress(streaming(n_sink=spec["sinks"]),
                                                              compression_interval=1,
                                                              target_size=spec["sinks"] + config[1])
             logprobs = window_logprobs(model, window, chunk, press)[:-1]
