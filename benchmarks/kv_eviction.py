@@ -181,10 +181,7 @@ def ppl_curve(num_tokens: int, out: Path | None, chunk: int = 32, window: int = 
         bound = engine.streaming.blocks_held(16, chunk) if engine.streaming is not None else None
         curves[name] = nll_curve(engine, tokens[:length], chunk, bound)
     bucket = 1024
-    table = {name: [sum(c[i : i + bucket]) / len(c[i : i + bucket]) for i in range(0, len(c), bucket)]
-             for name, c in curves.items()}
-    for name, values in table.items():
-        print(f"{name:28s} " + " ".join(f"{v:.2f}" for v in values))
+    table = bucket_means(curves, bucket)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"cpu": cpu_name(), "chunk": chunk, "window": window, "bucket": bucket,
@@ -225,12 +222,10 @@ def generate_curve(num_tokens: int, out: Path | None, window: int = 1024) -> Non
         curves[name], held[name] = [-lp for lp in request.output_logprobs], blocks
         del llm
     bucket = 1024
-    table = {name: [sum(c[i : i + bucket]) / len(c[i : i + bucket]) for i in range(0, len(c), bucket)]
-             for name, c in curves.items()}
-    for name, values in table.items():
-        print(f"{name:28s} " + " ".join(f"{v:.2f}" for v in values))
-        print(f"{'':28s} blocks held: max {max(held[name])}, over the last half "
-              f"{min(held[name][len(held[name]) // 2:])}..{max(held[name][len(held[name]) // 2:])}")
+    table = bucket_means(curves, bucket)
+    for name, blocks in held.items():
+        print(f"{name:28s} blocks held: max {max(blocks)}, over the last half "
+              f"{min(blocks[len(blocks) // 2:])}..{max(blocks[len(blocks) // 2:])}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"cpu": cpu_name(), "window": window, "bucket": bucket, "model_positions": limit,
@@ -239,6 +234,15 @@ def generate_curve(num_tokens: int, out: Path | None, window: int = 1024) -> Non
                                                        "last_half_max": max(b[len(b) // 2:])}
                                                    for n, b in held.items()}}, indent=1))
         plot_buckets(table, bucket, limit, "SmolLM2-135M, its own sampled text (temperature 1)", out)
+
+
+def bucket_means(curves: dict[str, list[float]], bucket: int) -> dict[str, list[float]]:
+    """Each curve's mean per ``bucket`` tokens (the last bucket may be shorter), printed."""
+    table = {name: [sum(c[i : i + bucket]) / len(c[i : i + bucket]) for i in range(0, len(c), bucket)]
+             for name, c in curves.items()}
+    for name, values in table.items():
+        print(f"{name:28s} " + " ".join(f"{v:.2f}" for v in values))
+    return table
 
 
 def plot_buckets(table: dict[str, list[float]], bucket: int, limit: int, title: str, out: Path) -> None:

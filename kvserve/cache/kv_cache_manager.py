@@ -241,9 +241,9 @@ class KVCacheManager:
         self._logical_tokens -= drop * size
         self.evicted[request_id] = evicted + drop * size
         self.num_evicted_tokens += drop * size
-        donor = dead[-1].block_id if window.spare_slots(size) else None
-        return Eviction([block.block_id for block in table[:sinks]], evicted + drop * size, evicted == 0, donor,
-                        size - window.spare_slots(size))
+        spare = window.spare_slots(size)
+        return Eviction([block.block_id for block in table[:sinks]], evicted + drop * size, evicted == 0,
+                        dead[-1].block_id if spare else None, size - spare)
 
     def _hashes(self, request_id: str, tokens: TokenReader, num_blocks: int) -> list[bytes]:
         """Keys of the request's first ``num_blocks`` full blocks (computed once, then kept)."""

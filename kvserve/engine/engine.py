@@ -743,7 +743,7 @@ class LLMEngine:
         if reason is not None:
             if not incremental:
                 request.output_text = self._decode(request.output_token_ids)
-            elif request.stop_reason is None or isinstance(request.stop_reason, int):
+            elif not isinstance(request.stop_reason, str):  # a stop string already cut the text
                 self._detokenize(request, final=True)  # what an incomplete character left
             self._finish(request, reason)
 
