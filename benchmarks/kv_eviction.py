@@ -100,14 +100,19 @@ def costs(window: int, inv_freq: torch.Tensor) -> dict[str, float]:
     window_ids = list(range(1 + SINK_BLOCKS, blocks + 1))
     sink_ids = list(range(1, 1 + SINK_BLOCKS))
     cos, sin = rope_at(torch.tensor([-BLOCK]), inv_freq)
-    originals = cache.read_keys(sink_ids)
+    originals = cache.read_blocks(sink_ids)
     turn_cos, turn_sin = rope_at(torch.tensor([4096]), inv_freq)
 
+    def turn(ids: list[int], blocks: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        for layer in blocks:  # the keys turned; the blocks rewritten whole, as LLMEngine.evict does
+            layer[:, :KV_HEADS] = apply_rope(layer[:, :KV_HEADS], cos[0], sin[0])
+        cache.write_blocks(ids, blocks)
+
     def rerotate_window() -> None:
-        cache.write_keys(window_ids, [apply_rope(k.float(), cos[0], sin[0]) for k in cache.read_keys(window_ids)])
+        turn(window_ids, cache.read_blocks(window_ids), cos, sin)
 
     def turn_sinks() -> None:
-        cache.write_keys(sink_ids, [apply_rope(k.float(), turn_cos[0], turn_sin[0]) for k in originals])
+        turn(sink_ids, [layer.clone() for layer in originals], turn_cos, turn_sin)
 
     positions = torch.arange(window)
     read_cos, read_sin = rope_at(positions, inv_freq)

@@ -18,6 +18,7 @@ from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.snapkv import snapkv_keep
 from tests.test_cache_invariants import check_manager
+from tests.test_kv_quant import FORMATS
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -147,18 +148,45 @@ def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Cal
     assert late[0].evicted_bytes_now == late[0].evicted_tokens_now * engine.kv_bytes_per_token > 0
 
 
+@pytest.mark.parametrize("kv_eviction,kv_dtype", [("streaming", "fp8"), ("streaming", "int8"), ("streaming", "int4"),
+                                                   ("snapkv", "int8")])
+def test_eviction_in_quantized_pools_costs_no_more_than_quantization(tiny_model_factory: Callable[..., Path],
+                                                                     kv_eviction: str, kv_dtype: str) -> None:
+    """Teacher-forced through 300 tokens in chunks of 12 (blocks of 8: chunks end inside blocks,
+    whose partial last block waits in a tail slot at a position eviction moved): evicting in a
+    quantized pool stays as close to the same eviction in a float pool as the quantized pool is
+    to the float one without eviction, while eviction itself changes the predictions far more.
+    (SnapKV only in int8: coarser formats change which tokens score highest, a real difference.)"""
+    from kvserve.quant.evaluate import next_token_logprobs
+
+    model = tiny_model_factory("llama")
+    tokens = prompt(300, 5)
+
+    def logprobs(kv_dtype: str, kv_eviction: str) -> torch.Tensor:
+        engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                                        kv_cache_dtype=kv_dtype, kv_eviction=kv_eviction, kv_window=48,
+                                        kv_compression_ratio=0.5, max_num_batched_tokens=12,
+                                        enable_prefix_caching=False))
+        return next_token_logprobs(engine, tokens, 12)
+
+    def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+        return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+    full, evicted = logprobs("auto", "none"), logprobs("auto", kv_eviction)
+    quantization = kl(full, logprobs(kv_dtype, "none"))
+    both = kl(evicted, logprobs(kv_dtype, kv_eviction))
+    assert both <= 1.5 * quantization + 2e-3
+    assert kl(full, evicted) > 3 * both
+
+
 def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory("llama")
     with pytest.raises(ConfigError, match="kv_eviction must be one of"):
         EngineConfig(model=str(model), kv_eviction="snapkv2")
     with pytest.raises(ConfigError, match="kv_compression_ratio must be in"):
         EngineConfig(model=str(model), kv_eviction="snapkv", kv_compression_ratio=0.0)
-    with pytest.raises(ConfigError, match="kv_eviction=snapkv: the KV cache must be kept in a float dtype"):
-        LLMEngine(EngineConfig(model=str(model), kv_eviction="snapkv", kv_cache_dtype="int4", kv_cache_memory="4MiB"))
     with pytest.raises(ConfigError, match="kv_window must be an integer >= 1"):
         EngineConfig(model=str(model), kv_eviction="streaming", kv_window=0)
-    with pytest.raises(ConfigError, match="kv_cache_dtype=int8"):
-        streaming_engine(model, window=32, kv_cache_dtype="int8")
     with pytest.raises(ConfigError, match="fewer than the 8 one streaming request needs"):
         streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="16KiB")
     with pytest.raises(ConfigError, match="speculative decoding"):
@@ -166,18 +194,22 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_streaming_under_preemption(tiny_model_factory: Callable[..., Path], mode: str) -> None:
-    """Three streaming requests in a pool of 14 blocks where each holds up to 6 while decoding
-    (a sink block, a 32-token window and the block being filled): requests are preempted and
-    come back. Swapped ones keep their evicted state and give the tokens of an unpreempted run;
-    recomputed ones evict afresh (each completes; nothing leaks)."""
+@pytest.mark.parametrize("kv_dtype,memory", [("auto", "60KiB"), ("int8", "24KiB")])
+def test_streaming_under_preemption(tiny_model_factory: Callable[..., Path], mode: str, kv_dtype: str,
+                                    memory: str) -> None:
+    """Three streaming requests in a pool of 15 blocks (int8: 17, with a tail run of 4 each) where
+    each holds up to 6 while decoding (a sink block, a 32-token window and the block being
+    filled): requests are preempted and come back. Swapped ones keep their evicted state (and
+    their tail slot) and give the tokens of an unpreempted run; recomputed ones evict afresh
+    (each completes; nothing leaks)."""
     model = tiny_model_factory("llama")
     prompts = [prompt(20, seed) for seed in range(3)]
-    roomy = streaming_engine(model, window=32, max_num_batched_tokens=16)
+    roomy = streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_dtype=kv_dtype)
     expected = run_checked(roomy, prompts, 150)
     assert roomy.num_preemptions == 0
-    tight = streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="60KiB",
-                             preemption_mode=mode, kv_offload_memory="1MiB" if mode == "swap" else None)
+    tight = streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory=memory,
+                             kv_cache_dtype=kv_dtype, preemption_mode=mode,
+                             kv_offload_memory="1MiB" if mode == "swap" else None)
     outputs = run_checked(tight, prompts, 150)
     assert tight.num_preemptions > 0
     if mode == "swap":
@@ -315,6 +347,29 @@ def test_compaction_keeps_any_tokens_per_layer_and_head(tiny_model_factory: Call
         assert outputs[0].token_ids == plain.generate([p], params)[0].token_ids
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+def test_compaction_that_keeps_everything_changes_nothing_in_quantized_pools(
+        tiny_model_factory: Callable[..., Path], kv_dtype: str) -> None:
+    """Re-quantizing what a quantized block holds gives it back: compacting a 43-token prompt
+    (its last 3 tokens in a tail slot where the format keeps one) into fresh blocks, keeping
+    every token, gives the tokens of the run that never compacted."""
+    model = tiny_model_factory("llama")
+    p = prompt(43, 4)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    common: dict[str, Any] = {"model": str(model), "dtype": "float32", "block_size": 8, "kv_cache_memory": "4MiB",
+                              "kv_cache_dtype": kv_dtype, "enable_prefix_caching": False}
+    plain = LLM(**common).generate([p], params)[0].token_ids
+    engine = LLMEngine(EngineConfig(**common))
+    request = engine.add_request(p, params)
+    outputs = engine.step()
+    everything = torch.arange(43).expand(engine.model_config.num_kv_heads, 43)
+    assert engine.compact(request, [everything] * engine.model_config.num_layers)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        check_manager(engine.kv_manager)
+    assert outputs[0].token_ids == plain
+
+
 def test_snapkv_scores_as_the_paper_says() -> None:
     """snapkv_keep against a plain loop: per KV head, the window's attention (causal, softmax per
     query head), summed over the window and the head's query group, averaged over 5 neighbours
@@ -399,3 +454,42 @@ def test_snapkv_selection_matches_hf_attention(tiny_model_factory: Callable[...,
         for g in range(kv_heads):
             expected = set(pooled[g].topk(keep - window).indices.tolist()) | set(range(len(p) - window, len(p)))
             assert set(index[g].tolist()) == expected
+
+
+# how far a format's read-back may sit from what was stored, relative to the tokens' largest magnitude
+FORMAT_ERROR = {"fp32": 1e-6, "bf16": 1e-2, "fp8_e4m3": 0.07, "fp8_e5m2": 0.13, "int8": 0.01, "int4": 0.1}
+
+
+@pytest.mark.parametrize("kind,mode", FORMATS)
+def test_compacted_tokens_are_requantized_in_every_format(kind: str, mode: str) -> None:
+    """What eviction rewrites (sink blocks, compacted blocks) goes through read_tokens and
+    write_tokens: in every format, tokens read back lie within the format's rounding of what was
+    written (fp8 keys un-rotated, a partial last block in the tail slot where the format keeps
+    one); writing what was read changes nothing more; a gathered subset reads back as the
+    subset of the original, its blocks re-quantized with scales fitted to it."""
+    from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
+
+    layers, heads, dim, size, length = 2, 2, 16, 4, 10
+    gen = torch.Generator().manual_seed(0)
+    written = [torch.randn(2 * heads, length, dim, generator=gen) * torch.linspace(0.5, 2, dim)
+               for _ in range(layers)]
+    calibrated = torch.stack([t[:heads].abs().amax(dim=1) for t in written])  # keys' absmax per channel
+    key_scales = calibrated if mode == "static" and kind == "int8" else None
+    cache = PagedKVCache(layers, 24, size, heads, dim, torch.float32, torch.device("cpu"),
+                         KVQuantSpec(kind, key_scales=key_scales))
+    cache.zero_new_blocks(23)
+    tail_slot = 1  # int8's tail slot 1 spans blocks 4-7, int4's 8-15: clear of blocks 1-3 and 16-17
+    bound = FORMAT_ERROR[kind] * max(float(t.abs().max()) for t in written)
+    cache.write_tokens([1, 2, 3], written, tail_slot)
+    read = cache.read_tokens([1, 2, 3], length, tail_slot)
+    for before, after in zip(written, read, strict=True):
+        assert (after - before).abs().max() <= bound
+    cache.write_tokens([1, 2, 3], read, tail_slot)
+    for once, twice in zip(read, cache.read_tokens([1, 2, 3], length, tail_slot), strict=True):
+        torch.testing.assert_close(twice, once, atol=bound / 50, rtol=0)
+    keep = [torch.stack([torch.randperm(length, generator=gen)[:6].sort().values for _ in range(heads)])
+            for _ in range(layers)]
+    cache.gather_tokens([1, 2, 3], [16, 17], keep, length, tail_slot)
+    for tokens, index, kept in zip(read, keep, cache.read_tokens([16, 17], 6, tail_slot), strict=True):
+        picked = tokens.gather(1, index.repeat(2, 1)[:, :, None].expand(-1, -1, dim))
+        assert (kept - picked).abs().max() <= bound

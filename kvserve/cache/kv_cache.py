@@ -170,6 +170,33 @@ class LayerKV:
         """Blocks ``ids`` (their rows ``data`` = self.data[ids]) as float32 [N, 2*kv_heads, block_size, dim]."""
         raise NotImplementedError
 
+    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """k, v [num, block_size, kv_heads, dim]: whole blocks, into the pool at ``block_ids`` (scales
+        recomputed where the format keeps them per block). Here: formats that scale keys
+        statically and values per token."""
+        assert self.key_scales is not None
+        if self.key_rotation is not None:
+            k = k.float() @ self.key_rotation
+        codes, vs = self._quantize_kv(k, v, self.key_scales)
+        self.data.index_copy_(0, block_ids, codes.transpose(1, 2))
+        if vs is not None:
+            assert self.value_scales is not None
+            self.value_scales.index_copy_(0, block_ids, vs.transpose(1, 2).to(self.value_scales.dtype))
+
+    def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole blocks as float32 [N, 2*kv_heads, block_size, dim], keys as the model made them
+        (un-rotated where the format stores them rotated)."""
+        out = self.dequantize(self.data.index_select(0, block_ids), block_ids)
+        if self.key_rotation is not None:
+            kv_heads = out.shape[1] // 2
+            out[:, :kv_heads] = out[:, :kv_heads] @ self.key_rotation.T
+        return out
+
+    def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Store whole blocks given as read_blocks reads them, in this layer's format."""
+        kv_heads = blocks.shape[1] // 2
+        self.quantize_blocks(blocks[:, :kv_heads].transpose(1, 2), blocks[:, kv_heads:].transpose(1, 2), block_ids)
+
     def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tail_slots: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:
         """Dequantized blocks of each sequence: [batch, width, 2*kv_heads, block_size, dim] in
@@ -271,6 +298,9 @@ class FloatKV(LayerKV):
 
     def dequantize(self, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return data.float()
+
+    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
+        self.data.index_copy_(0, block_ids, torch.cat((k, v), dim=2).transpose(1, 2).to(self.data.dtype))
 
     def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, tail_slots: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:
@@ -392,10 +422,6 @@ class TailKV(LayerKV):
             kv_heads = key.shape[1]
             self.quantize_blocks(stage[:, :, :kv_heads], stage[:, :, kv_heads:], plan.block_ids)
         tail.index_copy_(0, plan.post_rows, new.index_select(0, plan.post_tokens))
-
-    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
-        """k, v [num, block_size, kv_heads, dim]: whole blocks, into the pool at ``block_ids``."""
-        raise NotImplementedError
 
 
 @register(("int8", "block"))
@@ -590,41 +616,63 @@ class PagedKVCache:
         for tensor in self.per_block_tensors():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
-    def read_keys(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """A copy of the keys of ``block_ids`` in every storage layer ([blocks, kv_heads,
-        block_size, dim] each; float pools)."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.clipped.device)
-        kv_heads = self.rows_per_token // 2
-        return [layer.data.index_select(0, ids)[:, :kv_heads].clone() for layer in self.storage]
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.clipped.device)
 
-    def write_keys(self, block_ids: list[int], keys: list[torch.Tensor]) -> None:
-        """Overwrite the keys of ``block_ids`` in every storage layer (as read_keys gives them)."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.clipped.device)
-        kv_heads = self.rows_per_token // 2
-        for layer, layer_keys in zip(self.storage, keys, strict=True):
-            layer.data[ids, :kv_heads] = layer_keys.to(layer.data.dtype)
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Every storage layer's blocks ``block_ids`` as float32 [N, 2*kv_heads, block_size, dim]
+        (LayerKV.read_blocks: dequantized, keys as the model made them)."""
+        ids = self._ids(block_ids)
+        return [layer.read_blocks(ids) for layer in self.storage]
 
-    def copy_slots(self, src: int, dst: int, start: int) -> None:
-        """Copy the K/V in slots ``start`` to the end of block ``src`` onto the same slots of block
-        ``dst``, every storage layer (float pools)."""
-        for layer in self.storage:
-            layer.data[dst, :, start:] = layer.data[src, :, start:]
+    def write_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """Store whole blocks (as read_blocks gives them) in every storage layer's format: a
+        quantized block gets scales fitted to its new contents."""
+        ids = self._ids(block_ids)
+        for layer, layer_blocks in zip(self.storage, blocks, strict=True):
+            layer.write_blocks(ids, layer_blocks)
 
-    def gather_tokens(self, old_ids: list[int], new_ids: list[int], index: list[torch.Tensor]) -> None:
-        """Copy a sequence's kept tokens from its blocks ``old_ids`` into ``new_ids``: in storage
+    def read_tokens(self, block_ids: list[int], length: int, tail_slot: int) -> list[torch.Tensor]:
+        """A sequence's first ``length`` cached tokens in every storage layer, float32 [2*kv_heads,
+        length, dim] (read_blocks); a partial last block is read from tail slot ``tail_slot``
+        where the layer keeps one."""
+        out = []
+        for layer, blocks in zip(self.storage, self.read_blocks(block_ids), strict=True):
+            if layer.tail is not None and length % self.block_size:
+                blocks[-1] = layer.tail[tail_slot].transpose(0, 1).float()
+            out.append(blocks.permute(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[-1])[:, :length])
+        return out
+
+    def write_tokens(self, block_ids: list[int], tokens: list[torch.Tensor], tail_slot: int) -> None:
+        """Store a sequence's tokens (as read_tokens gives them) from the start of blocks
+        ``block_ids``: whole blocks in the layer's format, a partial last block into tail slot
+        ``tail_slot`` where the layer keeps one (it is quantized when it fills), else zero-padded."""
+        ids, size = self._ids(block_ids), self.block_size
+        for layer, layer_tokens in zip(self.storage, tokens, strict=True):
+            rows, length, dim = layer_tokens.shape
+            padded = layer_tokens.new_zeros(rows, len(block_ids) * size, dim)
+            padded[:, :length] = layer_tokens
+            blocks = padded.view(rows, len(block_ids), size, dim).permute(1, 0, 2, 3)
+            whole = len(block_ids) if layer.tail is None else length // size
+            if whole:
+                layer.write_blocks(ids[:whole], blocks[:whole])
+            if whole < len(block_ids):
+                assert layer.tail is not None
+                layer.tail[tail_slot] = blocks[-1].transpose(0, 1).to(layer.tail.dtype)
+
+    def gather_tokens(self, old_ids: list[int], new_ids: list[int], index: list[torch.Tensor], length: int,
+                      tail_slot: int = 0) -> None:
+        """Copy a sequence's kept tokens from its blocks ``old_ids`` (``length`` tokens, a partial
+        last block in tail slot ``tail_slot`` for formats with tails) into ``new_ids``: in storage
         layer l, head h's j-th slot gets the K/V of its token index[l][h, j] (positions in the
-        old blocks' order; every head keeps as many). Float pools. ``new_ids`` were zeroed."""
-        old = torch.tensor(old_ids, dtype=torch.long, device=self.clipped.device)
-        new = torch.tensor(new_ids, dtype=torch.long, device=self.clipped.device)
-        size, rows = self.block_size, self.rows_per_token
-        for layer, keep in zip(self.storage, index, strict=True):
-            heads, kept = keep.shape
-            # [rows, old tokens, dim]: every K and V head's tokens in sequence order
-            tokens = layer.data.index_select(0, old).permute(1, 0, 2, 3).reshape(rows, -1, layer.data.shape[-1])
-            picked = tokens.gather(1, keep.repeat(rows // heads, 1)[:, :, None].expand(-1, -1, tokens.shape[-1]))
-            out = picked.new_zeros(rows, len(new_ids) * size, tokens.shape[-1])
-            out[:, :kept] = picked
-            layer.data[new] = out.view(rows, len(new_ids), size, -1).permute(1, 0, 2, 3)
+        old blocks' order; every head keeps as many). Quantized blocks are re-quantized with
+        scales fitted to what they now hold."""
+        picked = []
+        for tokens, keep in zip(self.read_tokens(old_ids, length, tail_slot), index, strict=True):
+            heads = keep.shape[0]
+            rows = keep.repeat(tokens.shape[0] // heads, 1)  # K heads, then V heads
+            picked.append(tokens.gather(1, rows[:, :, None].expand(-1, -1, tokens.shape[-1])))
+        self.write_tokens(new_ids, picked, tail_slot)
 
     def zero_new_blocks(self, max_block_id: int) -> None:
         """Zero blocks up to ``max_block_id`` on first use. The pool hands out never-used blocks

@@ -251,8 +251,6 @@ class LLMEngine:
         cfg = self.config
         if self.model_config.mla is not None or len(self.kv_groups) != 1 or any(self.model_config.layer_windows):
             return "MLA and sliding-window models are not supported yet"
-        if not all(layer.direct for layer in self.kv_cache.layers) or self.kv_cache.uses_tail:
-            return f"the KV cache must be kept in a float dtype for now, not kv_cache_dtype={cfg.kv_cache_dtype}"
         if cfg.speculative_config is not None:
             return "speculative decoding does not combine with it yet"
         return None
@@ -333,20 +331,25 @@ class LLMEngine:
         written, so that rounding never accumulates). The last sink block's spare slots then take
         the tokens just before the window from the last block freed (before anything can reuse
         it): their absolute positions are already right there, and the prompt's first tokens past
-        the sinks would cost quality (measured against kvpress). Before a step computes the
-        request."""
+        the sinks would cost quality (measured against kvpress). The sink blocks are rewritten
+        whole, once: a quantized block is re-quantized with scales fitted to its new keys and
+        spare slots. Before a step computes the request."""
         eviction = self.kv_manager.evict(request.request_id, request.num_computed_tokens)
         if eviction is None:
             return
+        sinks = self.kv_cache.read_blocks(eviction.sink_block_ids)
+        kv_heads = self.model_config.num_kv_heads
         if eviction.first:
-            self._sink_keys[request.request_id] = self.kv_cache.read_keys(eviction.sink_block_ids)
+            self._sink_keys[request.request_id] = [blocks[:, :kv_heads].clone() for blocks in sinks]
         if self._inv_freq is None:
             self._inv_freq = rope_inv_freq(self.model_config).to(self.device)
         cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), self._inv_freq)
-        self.kv_cache.write_keys(eviction.sink_block_ids, [apply_rope(keys.float(), cos[0], signed_sin[0])
-                                                           for keys in self._sink_keys[request.request_id]])
-        if eviction.donor_block_id is not None:
-            self.kv_cache.copy_slots(eviction.donor_block_id, eviction.sink_block_ids[-1], eviction.spare_from)
+        donor = None if eviction.donor_block_id is None else self.kv_cache.read_blocks([eviction.donor_block_id])
+        for layer, (blocks, keys) in enumerate(zip(sinks, self._sink_keys[request.request_id], strict=True)):
+            blocks[:, :kv_heads] = apply_rope(keys, cos[0], signed_sin[0])
+            if donor is not None:
+                blocks[-1, :, eviction.spare_from :] = donor[layer][0, :, eviction.spare_from :]
+        self.kv_cache.write_blocks(eviction.sink_block_ids, sinks)
 
     def compress_prompt(self, request: Request, ratio: float) -> bool:
         """SnapKV, right after the request's prefill: recompute the last kv_observation_window
@@ -366,25 +369,31 @@ class LLMEngine:
         finally:
             self.runner.query_observer = None
             request.num_computed_tokens = length
-        kv_heads, dim = self.model_config.num_kv_heads, self.model_config.head_dim
-        keys = self.kv_cache.read_keys(self.kv_manager.block_ids(request.request_id))
-        index = [snapkv_keep(queries[id(kv)], stored.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length], keep,
-                             layer.scale)
-                 for kv, stored, layer in zip(self.kv_cache.layers, keys, self.model.decoder_layers, strict=True)]
+        kv_heads = self.model_config.num_kv_heads
+        tokens = self.kv_cache.read_tokens(self.kv_manager.block_ids(request.request_id), length,
+                                           self._tail_slot(request))
+        index = [snapkv_keep(queries[id(kv)], cached[:kv_heads].transpose(0, 1), keep, layer.scale)
+                 for kv, cached, layer in zip(self.kv_cache.layers, tokens, self.model.decoder_layers, strict=True)]
         return self.compact(request, index)
+
+    def _tail_slot(self, request: Request) -> int:
+        """The request's tail slot, for formats that keep its partial last block there (else 0)."""
+        return self.kv_manager.tail_slot(request.request_id) if self.kv_cache.uses_tail else 0
 
     def compact(self, request: Request, index: list[torch.Tensor]) -> bool:
         """Keep only some of the request's cached tokens: in model layer l's storage, head h keeps
         tokens index[l][h] (sorted positions among those cached; every head as many). Queries
         and kept keys stay at their absolute rotary positions, so their distances are right
-        without re-rotation. False if the pool is short (nothing changes)."""
+        without re-rotation. Quantized blocks are re-quantized with scales fitted to the kept
+        tokens. False if the pool is short (nothing changes)."""
         if self.streaming_refusal is not None:
             raise ConfigError(f"compacting a request's KV: {self.streaming_refusal}")
+        length = self.kv_manager.num_tokens[request.request_id]
         moved = self.kv_manager.compact(request.request_id, int(index[0].shape[1]))
         if moved is None:
             return False
         self.kv_cache.zero_new_blocks(self.kv_manager.pool.max_block_id_used)
-        self.kv_cache.gather_tokens(*moved, index)
+        self.kv_cache.gather_tokens(*moved, index, length, self._tail_slot(request))
         return True
 
     def _max_model_len(self) -> int:

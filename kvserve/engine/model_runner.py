@@ -153,7 +153,8 @@ class ModelRunner:
         token = 0
         for chunk in chunks:
             request = chunk.request
-            start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
+            end = self._cache_len(chunk)  # cache positions: eviction or compaction moved tokens up
+            start = end - chunk.num_tokens
             slot = self.kv.tail_slot(request.request_id, kv_group)
             table = self.kv.block_ids(request.request_id, kv_group)
             first_new = start // bs
