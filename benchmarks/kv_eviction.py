@@ -44,6 +44,13 @@ scores 4,096 held-out tokens in windows of 2,048, teacher-forced in chunks of 32
 eval``), with the full cache and StreamingLLM (4 sinks; windows 256, 512, 1024) in kvserve and
 in kvpress (``DecodingPress(StreamingLLMPress)``, compressing after every chunk).
 
+    python benchmarks/kv_eviction.py --snapkv-heads --out docs/results/kv_eviction_snapkv_heads.json
+
+kvserve alone, on the same samples: SnapKV keeping a set of tokens per KV head (the paper's
+choice, kvserve's) against one set per layer (the votes summed over the layer's KV heads: what
+a block table shared by the heads would need), at ratios 0.25, 0.5 and 0.75, with the paired
+difference in mean KL over the questions.
+
     python benchmarks/kv_eviction.py --capacity --out docs/results/kv_eviction_capacity.json
 
 what kvpress cannot report: 16 questions about 2,048-token held-out texts with 128 output tokens
@@ -402,47 +409,121 @@ def kvpress_ppl(python: str, out: Path | None, windows: tuple[int, ...] = (256, 
                                    "sinks": SINKS, "rows": rows, "table": "\n".join(lines)}, indent=1))
 
 
-def kvpress_quality(python: str, out: Path | None) -> None:
-    """kvserve against kvpress in one run (see the module docstring)."""
-    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
-    common = {"dtype": "float32", "kv_cache_memory": "512MiB", "enable_prefix_caching": False,
-              "max_num_batched_tokens": 4096, "max_num_seqs": 1}
-    full = LLM(loaded=loaded, **common)
+COMMON: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": "512MiB", "enable_prefix_caching": False,
+                          "max_num_batched_tokens": 4096, "max_num_seqs": 1}
+
+
+def full_cache_samples(loaded: Any) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """The quality samples, each with kvserve's full-cache greedy answer (what every run
+    teacher-forces), and that answer's full-cache log-probabilities."""
+    full = LLM(loaded=loaded, **COMMON)
     samples = quality_samples(full, (1024, 2048), depths=10, questions=6)
     reference = []
-    for sample in samples:  # kvserve's full-cache greedy answer is what every run teacher-forces
+    for sample in samples:
         row = kvserve_press(full, "none", 0.0, sample, None)
         sample["answer"] = row["answer"]
         reference.append(row["logprobs"])
-    ours: list[dict[str, Any]] = []
-    for method in ("streaming", "snapkv"):
-        for ratio in RATIOS:
-            extra = ({"kv_eviction": "streaming", "kv_window": 4096, "kv_sink_tokens": SINKS}
-                     if method == "streaming" else {"kv_eviction": "snapkv", "kv_compression_ratio": 1 - ratio,
-                                                    "kv_observation_window": OBSERVATION_WINDOW})
-            llm = LLM(loaded=loaded, **common, **extra)
-            start, rows = time.perf_counter(), []
-            for sample, ref in zip(samples, reference, strict=True):
-                row = kvserve_press(llm, method, ratio, sample, sample["answer"])
-                logprobs = row.pop("logprobs")
-                row["kl"] = (ref.exp() * (ref - logprobs)).sum(-1).tolist()
-                row["agree"] = (logprobs.argmax(-1) == ref.argmax(-1)).tolist()
-                rows.append(row)
-            ours.append({"method": method, "ratio": ratio, "seconds": time.perf_counter() - start, "samples": rows})
-            print(f"kvserve {method} {ratio}: {time.perf_counter() - start:.1f} s", flush=True)
-            del llm
+    return samples, reference
+
+
+def kvserve_run(loaded: Any, method: str, ratio: float, samples: list[dict[str, Any]],
+                reference: list[torch.Tensor]) -> dict[str, Any]:
+    """Every sample through kvserve with ``method`` removing ``ratio`` of its prompt: answers,
+    kept counts, and per answer token the KL from the full cache and top-1 agreement."""
+    extra = ({"kv_eviction": "streaming", "kv_window": 4096, "kv_sink_tokens": SINKS}
+             if method == "streaming" else {"kv_eviction": "snapkv", "kv_compression_ratio": 1 - ratio,
+                                            "kv_observation_window": OBSERVATION_WINDOW})
+    llm = LLM(loaded=loaded, **COMMON, **extra)
+    start, rows = time.perf_counter(), []
+    for sample, ref in zip(samples, reference, strict=True):
+        row = kvserve_press(llm, method, ratio, sample, sample["answer"])
+        logprobs = row.pop("logprobs")
+        row["kl"] = (ref.exp() * (ref - logprobs)).sum(-1).tolist()
+        row["agree"] = (logprobs.argmax(-1) == ref.argmax(-1)).tolist()
+        rows.append(row)
+    print(f"kvserve {method} {ratio}: {time.perf_counter() - start:.1f} s", flush=True)
+    return {"method": method, "ratio": ratio, "seconds": time.perf_counter() - start, "samples": rows}
+
+
+def kvpress_quality(python: str, out: Path | None) -> None:
+    """kvserve against kvpress in one run (see the module docstring)."""
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    samples, reference = full_cache_samples(loaded)
+    ours = [kvserve_run(loaded, method, ratio, samples, reference)
+            for method in ("streaming", "snapkv") for ratio in RATIOS]
     theirs = run_kvpress(python, {"window": OBSERVATION_WINDOW, "sinks": SINKS, "samples": samples,
                                   "presses": [{"method": m, "ratio": r} for m in
                                               ("streaming", "streaming-rerotated", "snapkv") for r in RATIOS]})
+    report = quality_report(samples, ours, theirs, decoder(loaded))
+    print(report["table"])
+    save_quality(out, samples, {"kvserve": ours, "kvpress": theirs, **report})
+
+
+def decoder(loaded: Any) -> Any:
     tokenizer = loaded.tokenizer
     assert tokenizer is not None
-    report = quality_report(samples, ours, theirs, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
-    print(report["table"])
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def save_quality(out: Path | None, samples: list[dict[str, Any]], results: dict[str, Any]) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"cpu": cpu_name(), "samples": [{k: v for k, v in s.items() if k != "prompt"}
-                                                                  for s in samples],
-                                   "kvserve": ours, "kvpress": theirs, **report}, indent=1))
+                                                                  for s in samples], **results}, indent=1))
+
+
+def snapkv_heads(out: Path | None) -> None:
+    """SnapKV with a kept set per KV head (kvserve's) against one set per layer (the votes summed
+    over its KV heads), on the --kvpress quality samples (see the module docstring)."""
+    import functools
+
+    import kvserve.engine.engine as engine_module
+    from kvserve.engine.snapkv import snapkv_keep
+
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    samples, reference = full_cache_samples(loaded)
+    runs = {"per head": [kvserve_run(loaded, "snapkv", ratio, samples, reference) for ratio in RATIOS]}
+    engine_module.snapkv_keep = functools.partial(snapkv_keep, per_head=False)  # type: ignore[assignment]
+    try:
+        runs["shared per layer"] = [kvserve_run(loaded, "snapkv", ratio, samples, reference) for ratio in RATIOS]
+    finally:
+        engine_module.snapkv_keep = snapkv_keep
+    decode = decoder(loaded)
+    lengths = sorted({s["length"] for s in samples})
+    qa = [i for i, s in enumerate(samples) if s["kind"] == "qa"]
+    lines = ["| kept sets | removed | " + " | ".join(f"passkey {n}" for n in lengths) +
+             " | mean KL | top-1 | Δ mean KL, shared − per head (± 1.96 SE) |", "|---" * (5 + len(lengths)) + "|"]
+    rows = []
+    for ratio_index, ratio in enumerate(RATIOS):
+        per_head = runs["per head"][ratio_index]
+        for name, run in runs.items():
+            row = run_summary(samples, name, run, decode)
+            diff = [mean(run["samples"][i]["kl"]) - mean(per_head["samples"][i]["kl"]) for i in qa]
+            row.update(kl_diff=mean(diff), kl_ci=1.96 * stdev(diff) / len(diff) ** 0.5)
+            rows.append(row)
+            paired = "" if run is per_head else f"{row['kl_diff']:+.4f} ± {row['kl_ci']:.4f}"
+            lines.append(f"| {name} | {ratio:.2f} | " + " | ".join(f"{100 * row[f'passkey_{n}']:.0f}%"
+                                                                  for n in lengths)
+                         + f" | {row['kl']:.4f} | {100 * row['top1']:.1f}% | {paired} |")
+    table = "\n".join(lines)
+    print(table)
+    save_quality(out, samples, {"runs": runs, "rows": rows, "table": table})
+
+
+def run_summary(samples: list[dict[str, Any]], engine: str, run: dict[str, Any], decode: Any) -> dict[str, Any]:
+    """One run's passkey hits per prompt length, mean KL and top-1 agreement over the questions'
+    answer tokens, and the mean fraction of the prompt kept."""
+    lengths = sorted({s["length"] for s in samples})
+    row: dict[str, Any] = {"engine": engine, "method": run["method"], "ratio": run["ratio"]}
+    pairs = list(zip(samples, run["samples"], strict=True))
+    for length in lengths:
+        keys = [(s, r) for s, r in pairs if s["kind"] == "passkey" and s["length"] == length]
+        row[f"passkey_{length}"] = sum(s["key"] in decode(r["answer"]) for s, r in keys) / len(keys)
+    qa = [r for s, r in pairs if s["kind"] == "qa"]
+    row["kl"] = sum(sum(r["kl"]) for r in qa) / sum(len(r["kl"]) for r in qa)
+    row["top1"] = sum(sum(r["agree"]) for r in qa) / sum(len(r["agree"]) for r in qa)
+    row["kept"] = sum(r["kept"] / len(s["prompt"]) for s, r in pairs) / len(pairs)
+    return row
 
 
 def quality_report(samples: list[dict[str, Any]], ours: list[dict[str, Any]], theirs: dict[str, Any],
@@ -450,18 +531,6 @@ def quality_report(samples: list[dict[str, Any]], ours: list[dict[str, Any]], th
     """Per engine, method and ratio: passkey hits per length, mean KL and top-1 agreement over
     the questions' answer tokens, and the mean fraction of the prompt kept."""
     lengths = sorted({s["length"] for s in samples})
-
-    def summary(engine: str, run: dict[str, Any]) -> dict[str, Any]:
-        row: dict[str, Any] = {"engine": engine, "method": run["method"], "ratio": run["ratio"]}
-        pairs = list(zip(samples, run["samples"], strict=True))
-        for length in lengths:
-            keys = [(s, r) for s, r in pairs if s["kind"] == "passkey" and s["length"] == length]
-            row[f"passkey_{length}"] = sum(s["key"] in decode(r["answer"]) for s, r in keys) / len(keys)
-        qa = [r for s, r in pairs if s["kind"] == "qa"]
-        row["kl"] = sum(sum(r["kl"]) for r in qa) / sum(len(r["kl"]) for r in qa)
-        row["top1"] = sum(sum(r["agree"]) for r in qa) / sum(len(r["agree"]) for r in qa)
-        row["kept"] = sum(r["kept"] / len(s["prompt"]) for s, r in pairs) / len(pairs)
-        return row
 
     full_rows = []
     for engine, answers in (("kvserve", [s["answer"] for s in samples]), ("kvpress", theirs["full_answers"])):
@@ -472,7 +541,8 @@ def quality_report(samples: list[dict[str, Any]], ours: list[dict[str, Any]], th
             row[f"passkey_{length}"] = sum(s["key"] in decode(a) for s, a in keys) / len(keys)
         row.update(kl=0.0, top1=1.0, kept=1.0)
         full_rows.append(row)
-    rows = full_rows + [summary("kvserve", r) for r in ours] + [summary("kvpress", r) for r in theirs["presses"]]
+    rows = full_rows + [run_summary(samples, "kvserve", r, decode) for r in ours] + \
+        [run_summary(samples, "kvpress", r, decode) for r in theirs["presses"]]
     same_full = sum(a == s["answer"] for s, a in zip(samples, theirs["full_answers"], strict=True))
     head = "| engine | method | removed | kept | " + " | ".join(f"passkey {n}" for n in lengths) + \
         " | mean KL | top-1 |"
@@ -586,11 +656,16 @@ def main() -> None:
                         help="recompute the tables of a --kvpress run from its --out file")
     parser.add_argument("--ppl", action="store_true", help="with --kvpress: StreamingLLM's perplexity")
     parser.add_argument("--capacity", action="store_true", help="concurrency and throughput in a fixed pool")
+    parser.add_argument("--snapkv-heads", action="store_true",
+                        help="SnapKV's kept sets per KV head against one per layer (see the module docstring)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.capacity:
         capacity(args.out)
+        return
+    if args.snapkv_heads:
+        snapkv_heads(args.out)
         return
     if args.generate_curve:
         generate_curve(args.generate_curve, args.out)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.config import KV_EVICTION, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
+from kvserve.config_file import add_config_args, check_engine_values, effective_config, file_defaults
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -155,6 +156,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  args.host, args.port)
 
 
+def with_config_file(parser: argparse.ArgumentParser, command: argparse.ArgumentParser, args: argparse.Namespace,
+                     argv: list[str] | None) -> argparse.Namespace:
+    """``args`` again with the --config file's values as ``command``'s defaults: the command
+    line still wins."""
+    if args.config is None:
+        return args
+    values = file_defaults(command, args.config)
+    command.set_defaults(**values)
+    args = parser.parse_args(argv)
+    if args.command in ("generate", "serve"):
+        check_engine_values(args.config, values, args.model, engine_kwargs(args))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-first LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,11 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.quant.evaluate import add_eval_args, cmd_eval
 
     add_calibrate_args(sub.add_parser("calibrate", help="KV quantization scales from your data; --check another"))
-    add_eval_args(sub.add_parser("eval", help="KV quantization quality: PPL, KL, top-1, bytes, concurrency"))
-
-    add_bench_args(sub.add_parser("bench", help="load-test a server: sweep, knee, plots; compare runs"))
+    evaluator = sub.add_parser("eval", help="KV quantization quality: PPL, KL, top-1, bytes, concurrency")
+    add_eval_args(evaluator)
+    bench_serve = add_bench_args(sub.add_parser("bench", help="load-test a server: sweep, knee, plots; compare runs"))
+    configurable = {"generate": gen, "serve": server, "eval": evaluator, "bench serve": bench_serve}
+    for command_parser in configurable.values():
+        add_config_args(command_parser)
     args = parser.parse_args(argv)
     try:
+        command = " ".join(filter(None, (args.command, getattr(args, "bench_command", None))))
+        if command in configurable:
+            args = with_config_file(parser, configurable[command], args, argv)
+            if args.print_config:
+                print(effective_config(configurable[command], args), end="")
+                return 0
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "plan":

@@ -373,23 +373,31 @@ def test_compaction_that_keeps_everything_changes_nothing_in_quantized_pools(
 def test_snapkv_scores_as_the_paper_says() -> None:
     """snapkv_keep against a plain loop: per KV head, the window's attention (causal, softmax per
     query head), summed over the window and the head's query group, averaged over 5 neighbours
-    (padding not counted), the top of the prefix plus the window itself."""
+    (padding not counted), the top of the prefix plus the window itself; shared per layer, the
+    votes summed over the KV heads first."""
     torch.manual_seed(0)
     window, heads, kv_heads, dim, length, keep = 4, 6, 2, 8, 30, 12
     q, k = torch.randn(window, heads, dim), torch.randn(length, kv_heads, dim)
     k[7, 1] = q[:, 3:].sum(dim=(0, 1)) * 3  # a token head 1's queries all look at
+
+    def top(votes: torch.Tensor) -> list[int]:
+        prefix = votes[: length - window]
+        pooled = torch.stack([prefix[max(0, j - 2) : j + 3].mean() for j in range(length - window)])
+        return sorted(pooled.topk(keep - window).indices.tolist() + list(range(length - window, length)))
+
     got = snapkv_keep(q, k, keep, scale=dim**-0.5)
+    all_votes = torch.zeros(length)
     for g in range(kv_heads):
         votes = torch.zeros(length)
         for i in range(window):
             for h in range(g * 3, g * 3 + 3):
                 seen = length - window + i + 1
                 votes[:seen] += torch.softmax(k[:seen, g] @ q[i, h] * dim**-0.5, dim=0)
-        prefix = votes[: length - window]
-        pooled = torch.stack([prefix[max(0, j - 2) : j + 3].mean() for j in range(length - window)])
-        expected = sorted(pooled.topk(keep - window).indices.tolist() + list(range(length - window, length)))
-        assert got[g].tolist() == expected
-    assert 7 in got[1].tolist()
+        assert got[g].tolist() == top(votes)
+        all_votes += votes
+    assert 7 in got[1].tolist() and got[0].tolist() != got[1].tolist()
+    shared = snapkv_keep(q, k, keep, scale=dim**-0.5, per_head=False)
+    assert shared[0].tolist() == shared[1].tolist() == top(all_votes)
     with pytest.raises(ValueError, match="keep=3 must lie between"):
         snapkv_keep(q, k, 3, scale=1.0)
 

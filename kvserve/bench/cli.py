@@ -10,7 +10,8 @@ from kvserve.bench.sweep import SweepSpec, compare, run_sweep, write_outputs
 from kvserve.config import ConfigError
 
 
-def add_bench_args(parser: argparse.ArgumentParser) -> None:
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``bench``'s subcommands; returns ``bench serve``'s parser (the one --config files set)."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     serve = sub.add_parser("serve", help="sweep load against an OpenAI-compatible server, find the knee")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -36,6 +37,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     report = sub.add_parser("report", help="compare runs side by side (overlaid plots, tables)")
     report.add_argument("runs", nargs="+", help="run folders written by bench serve")
     report.add_argument("--out", default=None, help="folder for the comparison (default: RUN1/compare)")
+    return serve
 
 
 def _levels(text: str, name: str, integer: bool) -> list[float]:

@@ -80,20 +80,20 @@ def _numbers(flag: str, text: str, kind: type[int] | type[float], low: float, hi
     return values
 
 
-def eviction_variants(reference: Variant, evictions: str, windows: str, ratios: str) -> list[Variant]:
-    """Rows for ``--kv-eviction none,streaming,snapkv``: the reference KV dtype with StreamingLLM
+def eviction_variants(variant: Variant, evictions: str, windows: str, ratios: str) -> list[Variant]:
+    """Rows for ``--kv-eviction none,streaming,snapkv``: ``variant``'s KV dtype with StreamingLLM
     at each ``--kv-window`` and SnapKV at each ``--kv-compression-ratio`` (``none`` is the
-    reference row itself)."""
+    variant's own row)."""
     names = [e.strip() for e in evictions.split(",") if e.strip()]
     bad = [e for e in names if e not in ("none", "streaming", "snapkv")]
     if bad:
         raise ConfigError(f"--kv-eviction {bad[0]!r}: expected none, streaming or snapkv")
     rows = []
     if "streaming" in names:
-        rows += [reference._replace(name=f"{reference.name} streaming {w}", kv_eviction="streaming", kv_window=w)
+        rows += [variant._replace(name=f"{variant.name} streaming {w}", kv_eviction="streaming", kv_window=w)
                  for w in _numbers("--kv-window", windows, int, 1, math.inf)]
     if "snapkv" in names:
-        rows += [reference._replace(name=f"{reference.name} snapkv {r:g}", kv_eviction="snapkv",
+        rows += [variant._replace(name=f"{variant.name} snapkv {r:g}", kv_eviction="snapkv",
                                     kv_compression_ratio=r)
                  for r in _numbers("--kv-compression-ratio", ratios, float, 1e-6, 1.0)]
     return rows
@@ -261,7 +261,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated variants, the first is the reference; DTYPE[:static|block|global]")
     parser.add_argument("--kv-scales", default=None, help="calibration file (kvserve calibrate)")
     parser.add_argument("--kv-eviction", default="none",
-                        help="none,streaming,snapkv: also score the reference dtype with StreamingLLM eviction at "
+                        help="none,streaming,snapkv: also score each KV dtype with StreamingLLM eviction at "
                              "each --kv-window (a chunk's first query keeps the sinks and its window) and with "
                              "SnapKV at each --kv-compression-ratio (each window's first half is the prompt, "
                              "compressed once after its prefill; every row scores every token)")
@@ -286,7 +286,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if getattr(args, name) < 2:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
     variants = parse_variants(args.kv_cache_dtype)
-    variants += eviction_variants(variants[0], args.kv_eviction, args.kv_window, args.kv_compression_ratio)
+    variants += [row for v in variants
+                 for row in eviction_variants(v, args.kv_eviction, args.kv_window, args.kv_compression_ratio)]
     probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)  # validates
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
