@@ -144,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.llm import _setup_logging
     from kvserve.server.app import ServerConfig
     from kvserve.server.serve import serve
+    from kvserve.tune.drift import TunedWorkload
 
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be positive, got {args.max_waiting}")
@@ -151,8 +152,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    tuned = TunedWorkload.parse(args.tuned_workload, "--tuned-workload") if args.tuned_workload else None
     return serve(config, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                                      max_waiting=args.max_waiting, max_logprobs=args.max_logprobs),
+                                      max_waiting=args.max_waiting, max_logprobs=args.max_logprobs,
+                                      tuned_workload=tuned),
                  args.host, args.port)
 
 
@@ -198,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
     server.add_argument("--max-logprobs", type=int, default=20,
                         help="most logprobs / top_logprobs a request may ask for (default: %(default)s)")
+    server.add_argument("--tuned-workload", default=None,
+                        help="JSON (a mapping in a --config file): the workload kvserve tune measured; /metrics then "
+                             "exports kvserve:config_drift and config_retune_needed")
     add_engine_args(server)
     from kvserve.bench.cli import add_bench_args, cmd_bench
     from kvserve.quant.calibrate import add_calibrate_args, cmd_calibrate
@@ -207,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluator = sub.add_parser("eval", help="KV quantization quality: PPL, KL, top-1, bytes, concurrency")
     add_eval_args(evaluator)
     bench_serve = add_bench_args(sub.add_parser("bench", help="load-test a server: sweep, knee, plots; compare runs"))
+    from kvserve.tune.cli import add_tune_args, cmd_tune
+
+    add_tune_args(sub.add_parser("tune", help="search the configuration for your workload and SLO; --check it "
+                                              "against a live server"))
     configurable = {"generate": gen, "serve": server, "eval": evaluator, "bench serve": bench_serve}
     for command_parser in configurable.values():
         add_config_args(command_parser)
@@ -230,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_calibrate(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "tune":
+            return cmd_tune(args)
     except ValueError as e:  # ConfigError, InvalidRequestError, ModelLoadError
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2

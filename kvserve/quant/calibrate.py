@@ -85,7 +85,11 @@ def load_tokens(llm: LLM, source: str, num_samples: int, max_length: int, pack: 
 
 def calibrate(llm: LLM, source: str, num_samples: int, max_length: int, progress: bool = True,
               pack: bool = False) -> KVScales:
-    token_lists = load_tokens(llm, source, num_samples, max_length, pack)
+    return scales_from_tokens(llm, load_tokens(llm, source, num_samples, max_length, pack), source, progress)
+
+
+def scales_from_tokens(llm: LLM, token_lists: list[list[int]], source: str, progress: bool = True) -> KVScales:
+    """Calibrated scales from the K/V the model writes for ``token_lists`` (``source`` names them)."""
     stats = collect(llm, token_lists, progress=progress)
     engine = llm.engine
     return KVScales(

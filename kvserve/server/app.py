@@ -32,6 +32,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     chat_messages,
 )
+from kvserve.tune.drift import TunedWorkload
 
 
 class APIError(Exception):
@@ -55,6 +56,7 @@ class ServerConfig:
     max_waiting: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_logprobs: int = 20  # vLLM's --max-logprobs
+    tuned_workload: TunedWorkload | None = None  # kvserve tune's record: /metrics exports config_drift
 
 
 def _engine_dead(exc: EngineDeadError) -> APIError:
@@ -109,7 +111,7 @@ def _spec_decode_json(stats: SpecDecodeStats | None) -> dict[str, Any] | None:
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None)
     app.state.server_config = config  # read per request: limits can be adjusted at run time
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, config.tuned_workload)
     engine.on_step = metrics.on_step
     # The engine thread owns the engine's tokenizer (it detokenizes every step); handlers run on
     # the event loop's thread and use a copy of their own: fast tokenizers are not thread-safe.

@@ -4,6 +4,7 @@ when a request finishes (from the engine thread; prometheus_client is thread-saf
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvserve.cache.kv_stats import KVGroupStats, SpecDecodeStats
 from kvserve.cache.kv_tiers import TierStats
 from kvserve.engine.engine import RequestOutput
+from kvserve.tune.drift import LiveWorkload, TunedWorkload, drifts
 
 if TYPE_CHECKING:
     from kvserve.server.async_engine import AsyncEngine
@@ -20,11 +22,14 @@ if TYPE_CHECKING:
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _LOAD = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+RECENT_REQUESTS = 256  # config_drift compares the mean lengths of this many latest finished requests
 
 
 class _PoolCollector:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, tuned: TunedWorkload | None) -> None:
         self.engine = engine
+        self.tuned = tuned
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)  # (prompt, output) tokens
 
     def collect(self) -> Iterator[Metric]:
         stats, engine = self.engine.kv_stats, self.engine
@@ -78,6 +83,26 @@ class _PoolCollector:
         yield from _group_metrics(stats.groups)
         if stats.spec_decode is not None:
             yield from _spec_decode_metrics(stats.spec_decode)
+        if self.tuned is not None:
+            yield from self._drift_metrics(self.tuned, stats.usage, stats.num_preemptions, cache.hit_rate)
+
+    def _drift_metrics(self, tuned: TunedWorkload, usage: float, preemptions: int,
+                       hit_rate: float) -> Iterator[Metric]:
+        recent = list(self.recent)
+        count = len(recent)
+        live = LiveWorkload(sum(p for p, _ in recent) / count if count else 0.0,
+                            sum(o for _, o in recent) / count if count else 0.0, count, hit_rate, usage,
+                            preemptions, self.engine.num_waiting)
+        found = drifts(tuned, live)
+        ratio = GaugeMetricFamily("kvserve:config_drift", f"Live / tuned value over the last {RECENT_REQUESTS} "
+                                  "finished requests (1: the workload the config was tuned for)",
+                                  labels=["quantity"])
+        for drift in found:
+            ratio.add_metric([drift.quantity], drift.ratio)
+        yield ratio
+        yield GaugeMetricFamily("kvserve:config_retune_needed", "1 when a quantity of config_drift passed its alarm "
+                                "threshold (kvserve tune --check says which, with numbers)",
+                                value=float(any(d.alarm for d in found)))
 
 
 def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
@@ -140,10 +165,11 @@ def _tier_metrics(tiers: list[TierStats]) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, tuned: TunedWorkload | None = None) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
-        self.registry.register(_PoolCollector(engine))
+        self.pool = _PoolCollector(engine, tuned)
+        self.registry.register(self.pool)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"kvserve:{name}", doc, buckets=buckets, registry=self.registry)
@@ -165,6 +191,7 @@ class ServerMetrics:
             if not out.finished:
                 continue
             prompt, generated = len(out.prompt_token_ids), len(out.token_ids)
+            self.pool.recent.append((prompt, generated))
             self.prompt_tokens.observe(prompt)
             self.generation_tokens.observe(generated)
             self.sequence_length.observe(prompt + generated)

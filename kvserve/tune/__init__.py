@@ -1,0 +1,1 @@
+"""kvserve tune: the tuning workflow and the re-plan alarm."""
