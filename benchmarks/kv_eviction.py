@@ -82,7 +82,7 @@ from kvserve.cache.kv_cache_manager import cdiv
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine, load_model
 from kvserve.engine.sampling import SamplingParams
-from kvserve.llm import LLM
+from kvserve.llm import LLM, chat_token_ids
 from kvserve.model.llama import apply_rope, rope_at, rope_inv_freq
 from kvserve.model.loader import ModelConfig
 from kvserve.quant.evaluate import chunk_logprobs
@@ -179,7 +179,7 @@ def ppl_curve(num_tokens: int, out: Path | None, chunk: int = 32, window: int = 
     tokenizer = loaded.tokenizer
     assert tokenizer is not None
     tokens = token_stream(read_samples("builtin:python-reference"), lambda text: list(tokenizer.encode(text)),
-                          lambda messages: list(tokenizer.apply_chat_template(messages, tokenize=True)), num_tokens)
+                          lambda messages: chat_token_ids(tokenizer, messages), num_tokens)
     limit = loaded.config.max_position_embeddings
     curves: dict[str, list[float]] = {}
     for name, kwargs, length in (
@@ -376,7 +376,7 @@ def kvpress_ppl(python: str, out: Path | None, windows: tuple[int, ...] = (256, 
     tokenizer = loaded.tokenizer
     assert tokenizer is not None
     tokens = token_stream(read_samples("builtin:python-reference"), lambda text: list(tokenizer.encode(text)),
-                          lambda messages: list(tokenizer.apply_chat_template(messages, tokenize=True)), num_tokens)
+                          lambda messages: chat_token_ids(tokenizer, messages), num_tokens)
     reference = Variant("full cache", "auto", "auto")
     variants = [reference] + [reference._replace(name=f"streaming {w}", kv_eviction="streaming", kv_window=w)
                               for w in windows]

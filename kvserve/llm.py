@@ -25,6 +25,15 @@ def _setup_logging() -> None:
         logger.propagate = False
 
 
+
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of ``messages`` in the model's chat template, as the server encodes them
+    (the rendered text, no extra BOS: the template has its own)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
 class LLM:
     """A paged-KV engine over one model. Keyword arguments are EngineConfig fields."""
 
@@ -43,10 +52,7 @@ class LLM:
         return prompt
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return chat_token_ids(self.tokenizer, messages)
 
     def generate(
         self,

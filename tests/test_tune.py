@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from kvserve.config import ConfigError
 from kvserve.tune.cli import candidates, parse_slo
 from kvserve.tune.drift import LiveWorkload, TunedWorkload, drifts, verdict
 from kvserve.tune.search import serving
-from kvserve.tune.workload import prefix_share, workload_stats
+from kvserve.tune.workload import prefix_share, prompt_ids, workload_stats
 
 TINY = ["--workload", "random", "--num-prompts", "20", "--input-len", "32:64", "--output-len", "8:16",
         "--block-sizes", "16,32", "--kv-cache-dtypes", "auto", "--max-num-seqs", "4",
@@ -140,3 +141,13 @@ def test_the_plan_prunes_what_cannot_fit() -> None:
                      "bs64-int8-seqs8-mbt512", "bs64-int8-seqs32-mbt512"}
     assert any("block 64 auto: the pool holds 900 tokens, less than one p90 sequence" in p for p in pruned)
     assert any("block 16 auto: max-num-seqs 32 (the pool holds 9.0 mean sequences)" in p for p in pruned)
+
+
+def test_chat_requests_count_their_template_tokens(smollm: Any) -> None:
+    """A chat request is measured in the tokens the server encodes (the rendered template), not
+    in the keys of the mapping transformers returns for tokenize=True (the bug kvserve eval had
+    with JSONL messages)."""
+    messages = [{"role": "user", "content": "Classify this: hello there"}]
+    ids = prompt_ids(Sample(None, messages, 4), smollm.tokenizer)
+    assert all(isinstance(i, int) for i in ids) and len(ids) > 8
+    assert "Classify this: hello there" in smollm.tokenizer.decode(ids)

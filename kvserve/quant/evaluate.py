@@ -28,6 +28,7 @@ from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledChunk
+from kvserve.llm import chat_token_ids
 from kvserve.quant.data import read_samples, token_stream
 
 
@@ -297,10 +298,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"model {args.model!r} has no tokenizer to encode --data")
     tokenizer = loaded.tokenizer
 
-    def chat(messages: list[dict[str, Any]]) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, tokenize=True))
-
-    tokens = token_stream(read_samples(args.data), lambda text: list(tokenizer.encode(text)), chat, args.num_tokens)
+    tokens = token_stream(read_samples(args.data), lambda text: list(tokenizer.encode(text)),
+                          lambda messages: chat_token_ids(tokenizer, messages), args.num_tokens)
     if len(tokens) < args.num_tokens:
         raise ConfigError(f"--data {args.data!r} holds {len(tokens)} tokens, fewer than --num-tokens "
                           f"{args.num_tokens}")

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from kvserve.bench.datasets import Sample, build_samples
 from kvserve.bench.sweep import percentiles
 from kvserve.cache.kv_cache_manager import hash_block
+from kvserve.llm import chat_token_ids
 
 PREFIX_BLOCK = 16  # the prefix share is counted in blocks of this many tokens, as a cache would hit them
 
@@ -41,7 +42,7 @@ def prompt_ids(sample: Sample, tokenizer: Any) -> list[int]:
     if isinstance(sample.prompt, list):
         return list(sample.prompt)
     if sample.messages is not None:
-        return list(tokenizer.apply_chat_template(sample.messages, tokenize=True, add_generation_prompt=True))
+        return chat_token_ids(tokenizer, sample.messages)
     return list(tokenizer.encode(sample.prompt or ""))
 
 
