@@ -156,6 +156,26 @@ def test_a_streaming_request_runs_past_max_model_len(api: dict[str, Any]) -> Non
     still_serving(api["base"])
 
 
+def test_the_openai_sdk_passes_kv_eviction_as_extra_body(api: dict[str, Any]) -> None:
+    """The official client sends kv_eviction settings through extra_body, as vLLM's extra
+    parameters: a chat that streams past max_model_len with a 32-token window, and a window
+    larger than the server allows gets a BadRequestError naming the field."""
+    import openai
+
+    client = openai.OpenAI(base_url=api["base"] + "/v1", api_key="none")
+    before = httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=150,
+        extra_body={"ignore_eos": True, "kv_eviction": "streaming", "kv_window": 32, "kv_sink_tokens": 4})
+    assert chat.usage is not None and chat.usage.completion_tokens == 150
+    assert httpx.get(api["base"] + "/v1/kv").json()["evicted_tokens"] > before
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                  extra_body={"kv_eviction": "streaming", "kv_window": 4096})
+    assert "kv_window" in str(error.value)
+    still_serving(api["base"])
+
+
 def test_a_request_asks_for_snapkv(api: dict[str, Any]) -> None:
     """kv_eviction=snapkv in the body of a server that compresses nothing by default: the
     request's 100-token prompt keeps 75 tokens after its prefill, and a later request for the
