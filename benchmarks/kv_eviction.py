@@ -488,6 +488,7 @@ def snapkv_heads(out: Path | None) -> None:
         runs["shared per layer"] = [kvserve_run(loaded, "snapkv", ratio, samples, reference) for ratio in RATIOS]
     finally:
         engine_module.snapkv_keep = snapkv_keep
+    save_quality(out, samples, {"runs": runs})  # the measurements first: the tables can be redone from them
     decode = decoder(loaded)
     lengths = sorted({s["length"] for s in samples})
     qa = [i for i, s in enumerate(samples) if s["kind"] == "qa"]
@@ -496,7 +497,8 @@ def snapkv_heads(out: Path | None) -> None:
     rows = []
     for ratio_index, ratio in enumerate(RATIOS):
         per_head = runs["per head"][ratio_index]
-        for name, run in runs.items():
+        for name, per_ratio in runs.items():
+            run = per_ratio[ratio_index]
             row = run_summary(samples, name, run, decode)
             diff = [mean(run["samples"][i]["kl"]) - mean(per_head["samples"][i]["kl"]) for i in qa]
             row.update(kl_diff=mean(diff), kl_ci=1.96 * stdev(diff) / len(diff) ** 0.5)

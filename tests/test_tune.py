@@ -151,3 +151,21 @@ def test_chat_requests_count_their_template_tokens(smollm: Any) -> None:
     ids = prompt_ids(Sample(None, messages, 4), smollm.tokenizer)
     assert all(isinstance(i, int) for i in ids) and len(ids) > 8
     assert "Classify this: hello there" in smollm.tokenizer.decode(ids)
+
+
+def test_quality_keeps_the_dtypes_within_the_limit_on_the_workloads_text(smollm: Any, tmp_path: Path) -> None:
+    """Each KV dtype scored on the workload's own prompts against the model dtype (fp8 with scales
+    calibrated on them, written for the config); the limit decides what the search may try."""
+    from kvserve.cache.kv_scales import KVScales
+    from kvserve.quant.data import stdlib_docstrings
+    from kvserve.tune.run import quality
+
+    prompts = [list(smollm.tokenizer.encode(text))[:256] for text in stdlib_docstrings()[:6]]
+    args = Namespace(eval_tokens=768, workload="docs.jsonl", quiet=True, model="smollm2-135m")
+    allowed, lines, scales = quality(args, smollm, prompts, ["auto", "int8", "fp8_e4m3"], 1e6, tmp_path)
+    assert allowed == ["auto", "int8", "fp8_e4m3"] and len(lines) == 3
+    assert lines[1].startswith("int8: PPL ") and "kept" in lines[1]
+    assert scales == tmp_path / "kv_scales.json"
+    assert KVScales.load(scales).source == "kvserve tune --workload docs.jsonl"
+    with pytest.raises(ConfigError, match="no KV dtype stays within --max-quality-loss"):
+        quality(args, smollm, prompts, ["int8"], -1.0, tmp_path)
