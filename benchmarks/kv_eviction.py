@@ -427,12 +427,13 @@ def full_cache_samples(loaded: Any) -> tuple[list[dict[str, Any]], list[torch.Te
 
 
 def kvserve_run(loaded: Any, method: str, ratio: float, samples: list[dict[str, Any]],
-                reference: list[torch.Tensor]) -> dict[str, Any]:
+                reference: list[torch.Tensor], per_layer: bool = False) -> dict[str, Any]:
     """Every sample through kvserve with ``method`` removing ``ratio`` of its prompt: answers,
     kept counts, and per answer token the KL from the full cache and top-1 agreement."""
     extra = ({"kv_eviction": "streaming", "kv_window": 4096, "kv_sink_tokens": SINKS}
              if method == "streaming" else {"kv_eviction": "snapkv", "kv_compression_ratio": 1 - ratio,
-                                            "kv_observation_window": OBSERVATION_WINDOW})
+                                            "kv_observation_window": OBSERVATION_WINDOW,
+                                            "kv_compression_per_layer": per_layer})
     llm = LLM(loaded=loaded, **COMMON, **extra)
     start, rows = time.perf_counter(), []
     for sample, ref in zip(samples, reference, strict=True):
@@ -473,21 +474,13 @@ def save_quality(out: Path | None, samples: list[dict[str, Any]], results: dict[
 
 
 def snapkv_heads(out: Path | None) -> None:
-    """SnapKV with a kept set per KV head (kvserve's) against one set per layer (the votes summed
-    over its KV heads), on the --kvpress quality samples (see the module docstring)."""
-    import functools
-
-    import kvserve.engine.engine as engine_module
-    from kvserve.engine.snapkv import snapkv_keep
-
+    """SnapKV with a kept set per KV head (the default) against one set per layer
+    (kv_compression_per_layer: the votes summed over its KV heads), on the --kvpress quality
+    samples (see the module docstring)."""
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
     samples, reference = full_cache_samples(loaded)
-    runs = {"per head": [kvserve_run(loaded, "snapkv", ratio, samples, reference) for ratio in RATIOS]}
-    engine_module.snapkv_keep = functools.partial(snapkv_keep, per_head=False)  # type: ignore[assignment]
-    try:
-        runs["shared per layer"] = [kvserve_run(loaded, "snapkv", ratio, samples, reference) for ratio in RATIOS]
-    finally:
-        engine_module.snapkv_keep = snapkv_keep
+    runs = {name: [kvserve_run(loaded, "snapkv", ratio, samples, reference, per_layer) for ratio in RATIOS]
+            for name, per_layer in (("per head", False), ("shared per layer", True))}
     save_quality(out, samples, {"runs": runs})  # the measurements first: the tables can be redone from them
     decode = decoder(loaded)
     lengths = sorted({s["length"] for s in samples})

@@ -68,6 +68,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="snapkv: fraction of each prompt's tokens kept per KV head (default: %(default)s)")
     g.add_argument("--kv-observation-window", type=int, default=32,
                    help="snapkv: last prompt tokens whose attention scores the rest (default: %(default)s)")
+    g.add_argument("--kv-compression-per-layer", action="store_true",
+                   help="snapkv: keep one set of tokens per layer (attention summed over its KV heads) instead of "
+                        "one per KV head; kept passkeys far better on SmolLM2 (docs/benchmarks.md)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                    help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
@@ -90,6 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config": args.speculative_config, "kv_eviction": args.kv_eviction,
         "kv_sink_tokens": args.kv_sink_tokens, "kv_window": args.kv_window,
         "kv_compression_ratio": args.kv_compression_ratio, "kv_observation_window": args.kv_observation_window,
+        "kv_compression_per_layer": args.kv_compression_per_layer,
     }
 
 

@@ -207,6 +207,8 @@ class EngineConfig:
     # compression_ratio is 1 minus it), scored by the last kv_observation_window prompt queries
     kv_compression_ratio: float = 0.5
     kv_observation_window: int = 32
+    # snapkv: one kept set per layer (votes summed over its KV heads) instead of one per KV head
+    kv_compression_per_layer: bool = False
     # speculative decoding: a SpeculativeConfig, its dict, or its JSON text (vLLM's speculative_config)
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     seed: int = 0

@@ -435,6 +435,29 @@ def test_snapkv_compresses_each_prompt_once(tiny_model_factory: Callable[..., Pa
         assert out == hf_compacted_greedy(hf, p, 24, indices[rid])
 
 
+def test_per_layer_compression_keeps_one_set_for_all_heads(tiny_model_factory: Callable[..., Path]) -> None:
+    """kv_compression_per_layer: every KV head of a layer keeps the same tokens (a set the
+    per-head selection does not give in some layer), the requests complete and nothing leaks."""
+    model = tiny_model_factory("llama")
+    prompts = [prompt(48, 30 + i) for i in range(2)]
+    chosen: dict[bool, list[list[torch.Tensor]]] = {}
+    for per_layer in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                                        kv_eviction="snapkv", kv_compression_ratio=0.5, kv_observation_window=8,
+                                        kv_compression_per_layer=per_layer))
+        compact, chosen[per_layer] = engine.compact, []
+
+        def recording(request: Any, index: list[torch.Tensor], compact: Any = compact,
+                      record: list[list[torch.Tensor]] = chosen[per_layer]) -> bool:
+            record.append(index)
+            return compact(request, index)
+
+        engine.compact = recording  # type: ignore[method-assign]
+        assert [len(o) for o in run_checked(engine, prompts, 8)] == [8, 8]
+    assert all(bool((layer == layer[:1]).all()) for index in chosen[True] for layer in index)
+    assert any(not bool((layer == layer[:1]).all()) for index in chosen[False] for layer in index)
+
+
 def test_snapkv_selection_matches_hf_attention(tiny_model_factory: Callable[..., Path]) -> None:
     """The tokens the engine keeps are those HF transformers' own attention probabilities
     (eager, output_attentions) rank highest from the last 8 prompt queries, per layer and head:

@@ -372,7 +372,8 @@ class LLMEngine:
         kv_heads = self.model_config.num_kv_heads
         tokens = self.kv_cache.read_tokens(self.kv_manager.block_ids(request.request_id), length,
                                            self._tail_slot(request))
-        index = [snapkv_keep(queries[id(kv)], cached[:kv_heads].transpose(0, 1), keep, layer.scale)
+        index = [snapkv_keep(queries[id(kv)], cached[:kv_heads].transpose(0, 1), keep, layer.scale,
+                             per_head=not cfg.kv_compression_per_layer)
                  for kv, cached, layer in zip(self.kv_cache.layers, tokens, self.model.decoder_layers, strict=True)]
         return self.compact(request, index)
 

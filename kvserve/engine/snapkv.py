@@ -22,9 +22,10 @@ def snapkv_keep(queries: torch.Tensor, keys: torch.Tensor, keep: int, scale: flo
     kv_heads, dim]. A head's score of prompt token j is the attention its group of query heads
     pays j from the window (causal: query i sees keys up to L - w + i), summed, then averaged
     over ``kernel`` neighbours; the window itself is always kept, and the top ``keep - w`` of the
-    rest. ``keep`` >= w. ``per_head=False``: one set for the layer, by the scores summed over
-    its KV heads (the simpler layout the paper did not choose; benchmarks/kv_eviction.py
-    --snapkv-heads measures what it costs)."""
+    rest. ``keep`` >= w. ``per_head=False`` (kv_compression_per_layer): one set for the layer,
+    by the scores summed over its KV heads (the layout the paper did not choose; on SmolLM2 it
+    kept passkeys that per-head sets lost, at the same KL: benchmarks/kv_eviction.py
+    --snapkv-heads)."""
     window, heads, dim = queries.shape
     length, kv_heads, _ = keys.shape
     if not window <= keep <= length:
