@@ -66,7 +66,8 @@ GROUPS = {"full": [FULL_ATTENTION], "hybrid": [FULL_ATTENTION, KVCacheSpec(5), K
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["grow", "free"]), st.integers(0, 7), st.integers(1, 40)), max_size=80
+    st.tuples(st.sampled_from(["grow", "grow", "free", "compact"]), st.integers(0, 7), st.integers(1, 40)),
+    max_size=80
 )
 
 
@@ -87,16 +88,31 @@ def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, nu
     for op, rid, n in ops:
         request_id = f"r{rid}"
         tokens = shared_tokens(request_id)
+        shift = kv.evicted_tokens(request_id)  # compaction moved the request's tokens to cache positions
         if op == "grow":
             before = kv.pool.num_free_blocks
-            target = kv.num_tokens.get(request_id, 0) + n
+            target = kv.num_tokens.get(request_id, 0) + shift + n
             cached = None if request_id in kv.block_tables else kv.find_cached_prefix(request_id, target, tokens)
             ok = kv.allocate_slots(request_id, target, tokens, cached)
             if not ok:
                 # a failed allocation takes nothing (sliding groups may still give back blocks out of the window)
                 assert kv.pool.num_free_blocks == before or (groups != "full" and kv.pool.num_free_blocks > before)
             else:
-                assert kv.num_tokens[request_id] == target
+                assert kv.num_tokens[request_id] == target - shift
+        elif op == "compact":  # keep n% of the request's tokens in fresh private blocks (SnapKV)
+            if groups != "full" or request_id not in kv.block_tables:
+                continue
+            held, free = kv.num_tokens[request_id], kv.pool.num_free_blocks
+            keep = max(1, held * n // 40)
+            old_blocks = len(kv.block_tables[request_id][0])
+            moved = kv.compact(request_id, keep)
+            if moved is None:  # the pool was short: nothing changed
+                assert kv.num_tokens[request_id] == held and kv.pool.num_free_blocks == free
+            else:
+                old, new = moved
+                assert len(old) == old_blocks and len(new) == kv.blocks_needed(keep) and not set(new) & set(old)
+                assert kv.num_tokens[request_id] == keep and kv.evicted_tokens(request_id) == shift + held - keep
+                assert request_id in kv.private
         else:
             kv.free(request_id)
         check_manager(kv)

@@ -200,8 +200,9 @@ class KVCacheManager:
         """Move the request to cdiv(keep, block_size) fresh private blocks that will hold ``keep``
         of its cached tokens (which ones, per layer and head, the caller copies: old block ids,
         new block ids); its old blocks are released (published ones stay cached). From now on
-        it publishes nothing. None if the pool is short (nothing changes then). One group, no
-        tail runs; the cache must hold only computed tokens."""
+        it publishes nothing. None if the pool is short (nothing changes then). One group; its
+        tail runs stay (the caller puts a partial last block in the tail slot); the cache must
+        hold only computed tokens."""
         table = self.block_tables[request_id][0]
         tokens = self.num_tokens[request_id]
         if not 0 < keep <= tokens or self.blocks_needed(keep) > self.pool.num_free_blocks:
