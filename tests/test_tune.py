@@ -169,3 +169,20 @@ def test_quality_keeps_the_dtypes_within_the_limit_on_the_workloads_text(smollm:
     assert KVScales.load(scales).source == "kvserve tune --workload docs.jsonl"
     with pytest.raises(ConfigError, match="no KV dtype stays within --max-quality-loss"):
         quality(args, smollm, prompts, ["int8"], -1.0, tmp_path)
+
+
+def test_the_winner_prefers_headroom_among_goodputs_within_noise() -> None:
+    """Of the last rung, goodputs within 10% of the best are equal: the knee furthest right, then
+    the larger max-num-seqs wins (the recorded session's 11.2 vs 10.2 req/s picked 16 over 64,
+    which the full comparison reversed); a clearly better goodput still wins."""
+    from kvserve.tune.search import best_result
+
+    def result(name: str, goodput: float, knee: float, seqs: int, rung: int = 1) -> dict[str, Any]:
+        return {"name": name, "rung": rung, "goodput": goodput, "knee": knee, "error": None,
+                "flags": {"max-num-seqs": seqs}}
+
+    session = [result("seqs16", 11.23, 8, 16), result("seqs64", 10.20, 8, 64), result("old", 50, 32, 64, rung=0)]
+    assert best_result(session)["name"] == "seqs64"  # type: ignore[index]
+    assert best_result([result("a", 12.0, 8, 16), result("b", 10.0, 8, 64)])["name"] == "a"  # type: ignore[index]
+    assert best_result([result("a", 11.0, 8, 64), result("b", 10.5, 16, 16)])["name"] == "b"  # type: ignore[index]
+    assert best_result([{"name": "x", "rung": 0, "error": "exited"}]) is None

@@ -105,12 +105,23 @@ def successive_halving(spec: SearchSpec, candidates: list[Candidate]) -> list[di
     return done
 
 
+# goodputs this close count as equal when the winner is picked: the recorded session measured
+# one candidate at 11.2-12.9 req/s across rungs, and picked max-num-seqs 16 over 64 on a 10%
+# difference that the full comparison reversed (docs/tuning.md)
+GOODPUT_TIE = 0.10
+
+
 def best_result(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The winner among the highest rung's results: of those within GOODPUT_TIE of the best
+    goodput, the knee furthest right, then the most max-num-seqs (headroom), then goodput."""
     ok = [r for r in results if not r.get("error")]
     if not ok:
         return None
     top = max(r["rung"] for r in ok)
-    return max((r for r in ok if r["rung"] == top), key=score)
+    last = [r for r in ok if r["rung"] == top]
+    best = max(r["goodput"] for r in last)
+    close = [r for r in last if r["goodput"] >= (1 - GOODPUT_TIE) * best]
+    return max(close, key=lambda r: (float(r["knee"] or 0), r["flags"].get("max-num-seqs", 0), r["goodput"]))
 
 
 def measure(spec: SearchSpec, candidate: Candidate, rung: int) -> dict[str, Any]:
