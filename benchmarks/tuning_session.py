@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from serve_sweep import wait_healthy
 from workloads import cpu_name
 
+from kvserve.tune.cli import parse_slo
+
 INSTRUCTION = ("Classify the following excerpt of Python documentation. Answer with exactly one word: "
                "function, class, module or constant.")
 QUESTIONS = ("What is the main purpose of the API described above?", "Which arguments or options does it take?",
@@ -82,7 +84,7 @@ def sweep(name: str, label: str, server: list[str], workload: Path, out: Path, p
           env: dict[str, str] | None = None) -> dict[str, Any]:
     """One server, one bench sweep of the workload's requests; the sweep's results.json."""
     spec = WORKLOADS[name]
-    slo = dict(part.split("=") for part in spec["slo"].split(","))
+    slo_ttft, slo_tpot = parse_slo(spec["slo"])
     base = f"http://127.0.0.1:{port}"
     run_dir = out / name / label
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,8 +94,8 @@ def sweep(name: str, label: str, server: list[str], workload: Path, out: Path, p
             wait_healthy(base, proc, 600)
             subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base,
                             "--model", "smollm2-135m", "--dataset", f"jsonl:{workload}", "--num-prompts", "32",
-                            "--concurrency", spec["concurrency"], "--slo-ttft", str(seconds(slo["ttft_p99"])),
-                            "--slo-tpot", str(seconds(slo["tpot_p99"])), "--quiet", "--out", str(run_dir)],
+                            "--concurrency", spec["concurrency"], "--slo-ttft", str(slo_ttft),
+                            "--slo-tpot", str(slo_tpot), "--quiet", "--out", str(run_dir)],
                            check=True)
         finally:
             proc.terminate()
@@ -107,10 +109,6 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
                "ttft_p99": lv["ttft_s"]["p99"], "tpot_p99": lv["tpot_s"]["p99"], "peak_kv_usage": lv["peak_kv_usage"],
                "preemptions": lv["preemptions"]} for lv in result["levels"]]
     return {"goodput": max(lv["goodput"] for lv in levels), "knee": result["knee"]["level"], "levels": levels}
-
-
-def seconds(text: str) -> float:
-    return float(text[:-2]) / 1000 if text.endswith("ms") else float(text.rstrip("s"))
 
 
 def main() -> None:

@@ -130,6 +130,8 @@ def candidates(args: argparse.Namespace, stats: WorkloadStats, dtypes: list[str]
     prefix_caching = stats.prefix_share >= PREFIX_CACHING_SHARE
     mean_sequence = stats.mean_prompt_tokens + stats.mean_output_tokens
     p90_sequence = stats.p90_prompt_tokens + stats.p90_output_tokens
+    seqs = integers(args.max_num_seqs, "--max-num-seqs")
+    batched = integers(args.max_num_batched_tokens, "--max-num-batched-tokens")
     kept, pruned = [], []
     for block_size in integers(args.block_sizes, "--block-sizes"):
         for dtype in dtypes:
@@ -138,20 +140,17 @@ def candidates(args: argparse.Namespace, stats: WorkloadStats, dtypes: list[str]
                 pruned.append(f"block {block_size} {dtype}: the pool holds {tokens} tokens, less than one p90 "
                               f"sequence ({p90_sequence:.0f})")
                 continue
-            seqs = integers(args.max_num_seqs, "--max-num-seqs")
             fitting = [n for n in seqs if n * mean_sequence <= tokens] or seqs[:1]
             if len(fitting) < len(seqs):
                 pruned.append(f"block {block_size} {dtype}: max-num-seqs {', '.join(map(str, seqs[len(fitting):]))} "
                               f"(the pool holds {tokens / mean_sequence:.1f} mean sequences)")
-            kept += [Candidate(block_size, dtype, n, m, prefix_caching) for n in fitting
-                     for m in integers(args.max_num_batched_tokens, "--max-num-batched-tokens")]
+            kept += [Candidate(block_size, dtype, n, m, prefix_caching) for n in fitting for m in batched]
     return kept, pruned
 
 
-def search_spec(args: argparse.Namespace, base: dict[str, Any], samples: list[Any], out: Path,
-                scales: Path | None) -> SearchSpec:
-    slo_ttft, slo_tpot = parse_slo(args.slo)
-    return SearchSpec(base, samples, integers(args.concurrency, "--concurrency"), slo_ttft, slo_tpot, out,
+def search_spec(args: argparse.Namespace, slo: tuple[float | None, float | None], base: dict[str, Any],
+                samples: list[Any], out: Path, scales: Path | None) -> SearchSpec:
+    return SearchSpec(base, samples, integers(args.concurrency, "--concurrency"), *slo, out,
                       seconds(args.time_budget, "--time-budget"), args.prompts_per_level,
                       (lambda c: {"kv-scales": str(scales)} if c.kv_cache_dtype.startswith("fp8") else {})
                       if scales is not None else None, not args.quiet)

@@ -29,9 +29,7 @@ def write_config(path: Path, best: dict[str, Any], stats: WorkloadStats, why: di
     """kvserve.yaml: ``best``'s flags, each with the reason ``why`` gives, then the workload
     record. Values are written as JSON, which YAML reads as they are."""
     lines = [f"# {line}" for line in header]
-    lines += [f"# workload assumed: {stats.num_requests} requests, prompt tokens mean {stats.mean_prompt_tokens:.0f} / "
-              f"p90 {stats.p90_prompt_tokens:.0f}, output tokens mean {stats.mean_output_tokens:.0f} / p90 "
-              f"{stats.p90_output_tokens:.0f}, prefix share {100 * stats.prefix_share:.1f}%, rate "
+    lines += [f"# workload assumed: {stats.summary()}, rate "
               + (f"{stats.rate:g}/s" if stats.rate else "not timed (closed loop)"),
               f"# measured: goodput {best['goodput']:.3f} req/s under the SLO, knee at concurrency "
               f"{best['knee'] if best['knee'] is not None else 'beyond the levels tried'} ({best['knee_reason']})", ""]

@@ -28,7 +28,7 @@ def tune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     budget = parse_size(args.memory, "--memory")
     max_loss = percent(args.max_quality_loss, "--max-quality-loss")
-    parse_slo(args.slo)
+    slo = parse_slo(args.slo)
     dtypes = list(dict.fromkeys(d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()))
     for dtype in dtypes:  # a bad name fails here, before anything loads
         EngineConfig(model=args.model, kv_cache_dtype=dtype)
@@ -54,34 +54,28 @@ def tune(args: argparse.Namespace) -> int:
     if not grid:
         raise ConfigError(f"no configuration fits --memory {args.memory}: " + "; ".join(pruned))
     base = {"model": args.model, "dtype": args.dtype, "kv-cache-memory": args.memory}
-    print(f"workload: {describe(stats)}\nKV dtypes within {max_loss:g}% perplexity: {', '.join(allowed)}\n"
+    print(f"workload: {stats.summary()}\nKV dtypes within {max_loss:g}% perplexity: {', '.join(allowed)}\n"
           f"{len(grid)} candidates after the plan" + (f" (pruned: {'; '.join(pruned)})" if pruned else ""), flush=True)
-    results = successive_halving(search_spec(args, base, samples, out, scales), grid)
+    results = successive_halving(search_spec(args, slo, base, samples, out, scales), grid)
     best = best_result(results)
     if best is None:
         raise ConfigError(f"no candidate could be measured (see {out / 'candidates'}/*.log)")
     flags = best["flags"]
-    why = reasons(results, best, stats, quality_lines, capacity[(flags["block-size"], flags["kv-cache-dtype"])])
-    slo_ttft, slo_tpot = parse_slo(args.slo)
+    pool_tokens = capacity[(flags["block-size"], flags["kv-cache-dtype"])]
+    why = reasons(results, best, stats, quality_lines, pool_tokens)
+    slo_ttft, slo_tpot = slo
     header = [f"kvserve tune: the best of {len(grid)} candidates for this workload (goodput under the SLO: "
               f"TTFT p99 <= {slo_ttft if slo_ttft is not None else '-'} s, TPOT p99 <= "
               f"{slo_tpot if slo_tpot is not None else '-'} s)", "any flag on the command line overrides this file"]
     config = out / "kvserve.yaml"
-    write_config(config, best, stats, why, tuned_workload(stats, best, capacity[(flags["block-size"],
-                                                                                  flags["kv-cache-dtype"])]), header)
-    files = write_report(out, results, best, [f"Workload: {describe(stats)}.", "",
+    write_config(config, best, stats, why, tuned_workload(stats, best, pool_tokens), header)
+    files = write_report(out, results, best, [f"Workload: {stats.summary()}.", "",
                                               "Quality on the workload's own text (kvserve eval):", "",
                                               *[f"- {line}" for line in quality_lines], "",
                                               f"Pruned by the plan: {'; '.join(pruned) or 'nothing'}."])
     print(f"chosen: {best['name']} (goodput {best['goodput']:.3f} req/s, knee {best['knee']})")
     print("\n".join(str(f) for f in [config, *files]))
     return 0
-
-
-def describe(stats: WorkloadStats) -> str:
-    return (f"{stats.num_requests} requests, prompt tokens mean {stats.mean_prompt_tokens:.0f} / p90 "
-            f"{stats.p90_prompt_tokens:.0f}, output tokens mean {stats.mean_output_tokens:.0f} / p90 "
-            f"{stats.p90_output_tokens:.0f}, prefix share {100 * stats.prefix_share:.1f}%")
 
 
 def quality(args: argparse.Namespace, loaded: Any, prompts: list[list[int]], dtypes: list[str], max_loss: float,

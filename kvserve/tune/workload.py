@@ -23,6 +23,11 @@ class WorkloadStats(NamedTuple):
     prefix_share: float  # prompt tokens an unbounded prefix cache would serve (0..1)
     rate: float | None  # requests per second of the trace (None: not timed)
 
+    def summary(self) -> str:
+        return (f"{self.num_requests} requests, prompt tokens mean {self.mean_prompt_tokens:.0f} / p90 "
+                f"{self.p90_prompt_tokens:.0f}, output tokens mean {self.mean_output_tokens:.0f} / p90 "
+                f"{self.p90_output_tokens:.0f}, prefix share {100 * self.prefix_share:.1f}%")
+
 
 def load_workload(workload: str, num_prompts: int, input_len: str, output_len: str, prefix_len: int,
                   num_prefixes: int, seed: int) -> list[Sample]:
