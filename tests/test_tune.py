@@ -177,7 +177,7 @@ def test_the_winner_prefers_headroom_among_goodputs_within_noise() -> None:
     which the full comparison reversed); a clearly better goodput still wins."""
     from kvserve.tune.search import best_result
 
-    def result(name: str, goodput: float, knee: float, seqs: int, rung: int = 1) -> dict[str, Any]:
+    def result(name: str, goodput: float, knee: float | None, seqs: int, rung: int = 1) -> dict[str, Any]:
         return {"name": name, "rung": rung, "goodput": goodput, "knee": knee, "error": None,
                 "flags": {"max-num-seqs": seqs}}
 
@@ -186,3 +186,19 @@ def test_the_winner_prefers_headroom_among_goodputs_within_noise() -> None:
     assert best_result([result("a", 12.0, 8, 16), result("b", 10.0, 8, 64)])["name"] == "a"  # type: ignore[index]
     assert best_result([result("a", 11.0, 8, 64), result("b", 10.5, 16, 16)])["name"] == "b"  # type: ignore[index]
     assert best_result([{"name": "x", "rung": 0, "error": "exited"}]) is None
+    # no knee found: throughput kept paying to the highest level, the furthest right of all (the
+    # second classify session picked max-num-seqs 16, knee 8, over 64 that scaled to 64: None read as 0)
+    scaled = result("seqs64", 11.97, None, 64) | {"levels": [{"level": 1}, {"level": 64}]}
+    assert best_result([result("seqs16", 12.71, 8, 16), scaled])["name"] == "seqs64"  # type: ignore[index]
+
+
+def test_every_level_sends_whole_waves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A level sends at least min_waves x its concurrency, the rung's doubling above that: at 8
+    prompts a level of 8 was one burst, and two identical configs measured 1.6x apart."""
+    from kvserve.tune.search import SearchSpec, level_requests
+
+    spec = SearchSpec({}, [], [1, 8, 64], None, None, tmp_path, 60.0, prompts_per_level=8, min_waves=4)
+    assert [level_requests(spec, level, 0) for level in (1, 8, 64)] == [8, 32, 256]
+    assert [level_requests(spec, level, 3) for level in (1, 8, 64)] == [64, 64, 256]
+    assert main(["tune", "--workload", "random", "--min-waves", "0", "--out", str(tmp_path), "--quiet"]) != 0
+    assert "--min-waves must be >= 1, got 0" in capsys.readouterr().err

@@ -65,10 +65,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mode, levels = "rate", _levels(args.request_rate, "--request-rate", integer=False)
     else:
         mode, levels = "concurrency", _levels(args.concurrency or "1,2,4,8,16,32,64", "--concurrency", integer=True)
-    # fresh prompts for each level (user traffic from jsonl repeats): a level must not find the
-    # previous level's prompts in the server's prefix cache
+    # fresh prompts for each level (jsonl: the next --num-prompts rows, repeating only when the file
+    # runs out): a level must not find the previous level's prompts in the server's prefix cache
     samples = [build_samples(args.dataset, args.num_prompts, args.input_len, args.output_len, args.prefix_len,
-                             args.num_prefixes, args.seed + i) for i in range(len(levels))]
+                             args.num_prefixes, args.seed + i, offset=i * args.num_prompts)
+               for i in range(len(levels))]
     if args.max_duration is not None and args.max_duration <= 0:
         raise ConfigError(f"--max-duration must be positive, got {args.max_duration}")
     spec = SweepSpec(args.base_url, args.model, samples, mode, levels, args.api_key, args.slo_ttft, args.slo_tpot,

@@ -45,12 +45,13 @@ class LengthSpec:
 
 
 def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: str, prefix_len: int = 1000,
-                  num_prefixes: int = 4, seed: int = 0, vocab: int = 32000) -> list[Sample]:
+                  num_prefixes: int = 4, seed: int = 0, vocab: int = 32000, offset: int = 0) -> list[Sample]:
     """``random``: prompts of random token ids; ``prefix``: each prompt = one of ``num_prefixes``
     shared prefixes of ``prefix_len`` tokens + a random suffix; ``multiturn``: conversations of
     4 turns, each turn resending the whole history (a ``prefix_len``-token system prompt, every
     earlier user turn and answer) plus a new user turn of ``input_len`` tokens, in turn order;
-    ``jsonl:PATH``: objects with "prompt"/"text" or "messages" (and optional "max_tokens")."""
+    ``jsonl:PATH``: objects with "prompt"/"text" or "messages" (and optional "max_tokens"), the
+    rows from ``offset`` on, wrapping around."""
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
     rng = random.Random(seed)
@@ -79,11 +80,11 @@ def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: st
                 history = history + tokens(answer)  # the next turn resends this answer too
         return samples[:num_prompts]
     if dataset.startswith("jsonl:"):
-        return _jsonl(Path(dataset[6:]), num_prompts, out_len, rng)
+        return _jsonl(Path(dataset[6:]), num_prompts, out_len, rng, offset)
     raise ConfigError(f"--dataset: expected random, prefix, multiturn or jsonl:PATH, got {dataset!r}")
 
 
-def _jsonl(path: Path, num_prompts: int, out_len: LengthSpec, rng: random.Random) -> list[Sample]:
+def _jsonl(path: Path, num_prompts: int, out_len: LengthSpec, rng: random.Random, offset: int) -> list[Sample]:
     if not path.is_file():
         raise ConfigError(f"--dataset jsonl file {str(path)!r} does not exist")
     rows: list[Sample] = []
@@ -97,4 +98,4 @@ def _jsonl(path: Path, num_prompts: int, out_len: LengthSpec, rng: random.Random
             raise ConfigError(f"{path}:{n}: expected a 'prompt', 'text' or 'messages' field")
     if not rows:
         raise ConfigError(f"{path} holds no requests")
-    return [rows[i % len(rows)] for i in range(num_prompts)]
+    return [rows[(offset + i) % len(rows)] for i in range(num_prompts)]

@@ -37,6 +37,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", default="512,2048", help="max_num_batched_tokens values to try")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="sweep levels (each up to 2x max_num_seqs)")
     parser.add_argument("--prompts-per-level", type=int, default=8, help="requests per level at the first rung")
+    parser.add_argument("--min-waves", type=int, default=2,
+                        help="each level sends at least this many times its concurrency in requests: a steady state, "
+                             "not one burst (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--num-prompts", type=int, default=200, help="synthetic workloads: requests drawn")
     parser.add_argument("--input-len", default="256:1024", help="synthetic workloads: prompt tokens")
@@ -93,6 +96,8 @@ def percent(text: str, name: str) -> float:
 def cmd_tune(args: argparse.Namespace) -> int:
     if args.check is not None:
         return check(Path(args.check), args.metrics_url)
+    if args.min_waves < 1:
+        raise ConfigError(f"--min-waves must be >= 1, got {args.min_waves}")
     from kvserve.tune.run import tune
 
     return tune(args)
@@ -153,4 +158,4 @@ def search_spec(args: argparse.Namespace, slo: tuple[float | None, float | None]
     return SearchSpec(base, samples, integers(args.concurrency, "--concurrency"), *slo, out,
                       seconds(args.time_budget, "--time-budget"), args.prompts_per_level,
                       (lambda c: {"kv-scales": str(scales)} if c.kv_cache_dtype.startswith("fp8") else {})
-                      if scales is not None else None, not args.quiet)
+                      if scales is not None else None, not args.quiet, min_waves=args.min_waves)

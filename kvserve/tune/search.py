@@ -1,7 +1,8 @@
 """The budgeted search: candidate configurations, each measured by a short concurrency sweep
 against a real ``kvserve serve``, pruned by successive halving.
 
-Rung r measures the surviving candidates with ``prompts_per_level * 2**r`` requests per level;
+Rung r measures the surviving candidates with ``prompts_per_level * 2**r`` requests per level
+(at least ``min_waves`` times the level);
 the better half (by goodput under the SLO, then the knee furthest right) goes on to the next
 rung. Each measurement is appended to ``candidates.jsonl`` as it finishes, so an interrupted
 run resumes where it stopped.
@@ -10,6 +11,7 @@ run resumes where it stopped.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import socket
 import subprocess
@@ -59,13 +61,23 @@ class SearchSpec:
     prompts_per_level: int = 8  # at rung 0; doubled at each rung
     extra_flags: Callable[[Candidate], dict[str, Any]] | None = None  # e.g. a scales file for fp8
     progress: bool = True
+    # every level sends at least min_waves x its concurrency: one burst of `level` requests measures how fast
+    # a burst drains, not the steady state (the recorded classify session: two identical configs 1.6x apart at 8 of 8)
+    min_waves: int = 2
+
+
+def knee_level(result: dict[str, Any]) -> float:
+    """The knee's concurrency; a sweep that found none kept scaling to its highest level."""
+    if result.get("knee") is not None:
+        return float(result["knee"])
+    return max((float(level["level"]) for level in result.get("levels", [])), default=0.0)
 
 
 def score(result: dict[str, Any]) -> tuple[float, float]:
     """What the search maximizes: goodput under the SLO, then the knee's concurrency."""
     if result.get("error"):
         return (-1.0, -1.0)
-    return (float(result["goodput"]), float(result["knee"] or 0))
+    return (float(result["goodput"]), knee_level(result))
 
 
 def successive_halving(spec: SearchSpec, candidates: list[Candidate]) -> list[dict[str, Any]]:
@@ -121,7 +133,7 @@ def best_result(results: list[dict[str, Any]]) -> dict[str, Any] | None:
     last = [r for r in ok if r["rung"] == top]
     best = max(r["goodput"] for r in last)
     close = [r for r in last if r["goodput"] >= (1 - GOODPUT_TIE) * best]
-    return max(close, key=lambda r: (float(r["knee"] or 0), r["flags"].get("max-num-seqs", 0), r["goodput"]))
+    return max(close, key=lambda r: (knee_level(r), r["flags"].get("max-num-seqs", 0), r["goodput"]))
 
 
 def measure(spec: SearchSpec, candidate: Candidate, rung: int) -> dict[str, Any]:
@@ -131,13 +143,15 @@ def measure(spec: SearchSpec, candidate: Candidate, rung: int) -> dict[str, Any]
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in flags.items()))
     levels = [level for level in spec.levels if level <= 2 * candidate.max_num_seqs] or [1]
-    per_level = spec.prompts_per_level << rung
     result: dict[str, Any] = {"name": candidate.name, "rung": rung, "flags": flags, "error": None}
     started = time.monotonic()
     try:
         with serving(config, spec.out / "candidates" / f"{candidate.name}.log") as base_url:
-            batches = [draw(spec.samples, max(per_level, level), offset=(rung * 7919 + i * per_level))
-                       for i, level in enumerate(levels)]
+            # every candidate of a rung gets the same requests; each level the next ones (no level
+            # finds an earlier level's prompts in the prefix cache while the workload lasts)
+            counts = [level_requests(spec, level, rung) for level in levels]
+            starts = itertools.accumulate([rung * 7919, *counts[:-1]])
+            batches = [draw(spec.samples, count, start) for count, start in zip(counts, starts, strict=True)]
             sweep = run_sweep(SweepSpec(base_url, str(flags.get("model", "smollm2-135m")), batches, "concurrency",
                                         [float(level) for level in levels], None, spec.slo_ttft, spec.slo_tpot),
                               show_progress=False)
@@ -152,6 +166,11 @@ def measure(spec: SearchSpec, candidate: Candidate, rung: int) -> dict[str, Any]
     result.update(levels=levels_out, goodput=max(level["goodput"] for level in levels_out),
                   knee=sweep["knee"]["level"], knee_reason=sweep["knee"]["reason"], seconds=time.monotonic() - started)
     return result
+
+
+def level_requests(spec: SearchSpec, level: int, rung: int) -> int:
+    """Requests a sweep sends at ``level`` in ``rung``: the rung's share, and at least min_waves waves."""
+    return max(spec.prompts_per_level << rung, spec.min_waves * level)
 
 
 def draw(samples: list[Sample], count: int, offset: int) -> list[Sample]:
