@@ -141,6 +141,15 @@ def test_the_plan_prunes_what_cannot_fit() -> None:
                      "bs64-int8-seqs8-mbt512", "bs64-int8-seqs32-mbt512"}
     assert any("block 64 auto: the pool holds 900 tokens, less than one p90 sequence" in p for p in pruned)
     assert any("block 16 auto: max-num-seqs 32 (the pool holds 9.0 mean sequences)" in p for p in pruned)
+    # half of every prompt shared (prefix caching on): a sequence costs its unshared 550 tokens
+    shared = [[7] * 448 + [i] * 452 for i in range(10)]
+    shared_stats = workload_stats(shared, [Sample(p, None, 100) for p in shared])
+    assert shared_stats.prefix_share > 0.4
+    pool = {(16, "auto"): 20_000, (64, "auto"): 20_000}  # 20 whole sequences; 33 of their unshared parts
+    unshared_grid, _ = candidates(args, stats, ["auto"], pool)
+    assert "bs16-auto-seqs32-mbt512" not in {c.name for c in unshared_grid}
+    grid, pruned = candidates(args, shared_stats, ["auto"], pool)
+    assert "bs16-auto-seqs32-mbt512-pc" in {c.name for c in grid} and not pruned
 
 
 def test_chat_requests_count_their_template_tokens(smollm: Any) -> None:
