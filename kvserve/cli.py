@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvserve.cluster.config import ROUTER_NAMES, ClusterConfig
 from kvserve.config import KV_EVICTION, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
 from kvserve.config_file import add_config_args, check_engine_values, effective_config, file_defaults
 
@@ -157,10 +158,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
     tuned = TunedWorkload.parse(args.tuned_workload, "--tuned-workload") if args.tuned_workload else None
-    return serve(config, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                                      max_waiting=args.max_waiting, max_logprobs=args.max_logprobs,
-                                      tuned_workload=tuned),
-                 args.host, args.port)
+    server_config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                                 max_waiting=args.max_waiting, max_logprobs=args.max_logprobs, tuned_workload=tuned)
+    if args.ray:
+        cluster = ClusterConfig(args.num_replicas, args.router, args.ray_address, args.cpus_per_replica,
+                                args.gpus_per_replica, args.max_ongoing_requests, args.router_max_request_imbalance,
+                                args.router_max_kv_imbalance)
+        try:
+            from kvserve.cluster.deploy import run
+        except ImportError as exc:
+            raise ConfigError(f"--ray needs Ray Serve: pip install 'kvserve[ray]' ({exc})") from exc
+        return run(config, server_config, cluster, args.host, args.port)
+    return serve(config, server_config, args.host, args.port)
 
 
 def with_config_file(parser: argparse.ArgumentParser, command: argparse.ArgumentParser, args: argparse.Namespace,
@@ -208,6 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--tuned-workload", default=None,
                         help="JSON (a mapping in a --config file): the workload kvserve tune measured; /metrics then "
                              "exports kvserve:config_drift and config_retune_needed")
+    scale = server.add_argument_group("scale-out on Ray Serve (optional extra kvserve[ray])")
+    scale.add_argument("--ray", action="store_true", help="serve --num-replicas engines as Ray Serve replicas")
+    scale.add_argument("--num-replicas", type=int, default=2)
+    scale.add_argument("--router", default="kv-aware", choices=ROUTER_NAMES,
+                       help="replica choice: longest expected cached prefix within load bounds (kv-aware), Ray's "
+                            "default (power-of-two) or in turn (default: %(default)s)")
+    scale.add_argument("--ray-address", default=None, help="a running cluster (auto, HOST:6379); default: start one")
+    scale.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    scale.add_argument("--gpus-per-replica", type=float, default=0.0, help="0 with a CUDA --device: one each")
+    scale.add_argument("--max-ongoing-requests", type=int, default=320,
+                       help="per replica; past it Ray routes elsewhere (default: %(default)s)")
+    scale.add_argument("--router-max-request-imbalance", type=float, default=4.0,
+                       help="kv-aware: requests a replica may have over the least-loaded one and still win on its "
+                            "cached prefix (default: %(default)s)")
+    scale.add_argument("--router-max-kv-imbalance", type=float, default=0.3,
+                       help="kv-aware: the same bound on KV usage, a fraction (default: %(default)s)")
     add_engine_args(server)
     from kvserve.bench.cli import add_bench_args, cmd_bench
     from kvserve.quant.calibrate import add_calibrate_args, cmd_calibrate

@@ -30,6 +30,14 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
     return digest.digest()
 
 
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained keys of a prompt's full blocks, as the prefix cache keys them."""
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        keys.append(hash_block(keys[-1] if keys else None, token_ids[start : start + block_size]))
+    return keys
+
+
 def group_key(block_hash: bytes, group: int) -> bytes:
     """The prefix-cache key of a block of KV cache group ``group`` (kv_groups): group 0 uses the
     token key itself; other groups' blocks hold other layers, so they get keys of their own."""

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from kvserve.bench.datasets import Sample, build_samples
 from kvserve.bench.sweep import percentiles
-from kvserve.cache.kv_cache_manager import hash_block
+from kvserve.cache.kv_cache_manager import prompt_block_hashes
 from kvserve.llm import chat_token_ids
 
 PREFIX_BLOCK = 16  # the prefix share is counted in blocks of this many tokens, as a cache would hit them
@@ -57,15 +57,13 @@ def prefix_share(prompts: list[list[int]], block_size: int = PREFIX_BLOCK) -> fl
     seen: set[bytes] = set()
     hits = total = 0
     for ids in prompts:
-        parent: bytes | None = None
         reusing = True
-        for start in range(0, len(ids) - block_size + 1, block_size):
-            parent = hash_block(parent, ids[start : start + block_size])
-            if reusing and parent in seen:
+        for key in prompt_block_hashes(ids, block_size):
+            if reusing and key in seen:
                 hits += block_size
             else:
                 reusing = False
-            seen.add(parent)
+            seen.add(key)
         total += len(ids)
     return hits / total if total else 0.0
 

@@ -1,0 +1,37 @@
+"""``kvserve serve --ray`` settings, checked before Ray starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.config import ConfigError
+
+ROUTER_NAMES = ("kv-aware", "power-of-two", "round-robin")
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    num_replicas: int = 2
+    router: str = "kv-aware"
+    ray_address: str | None = None  # None: start a local Ray instance (or join RAY_ADDRESS)
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0  # 0 with a CUDA --device: one GPU each
+    max_ongoing_requests: int = 320  # per replica; Ray tries another replica past it
+    max_request_imbalance: float = 4.0  # kv-aware: requests over the least-loaded replica before balance wins
+    max_kv_imbalance: float = 0.3  # kv-aware: KV usage over the least-loaded replica before balance wins
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ConfigError(f"--num-replicas must be >= 1, got {self.num_replicas}")
+        if self.router not in ROUTER_NAMES:
+            raise ConfigError(f"--router must be one of {', '.join(ROUTER_NAMES)}, got {self.router!r}")
+        if self.cpus_per_replica <= 0:
+            raise ConfigError(f"--cpus-per-replica must be positive, got {self.cpus_per_replica}")
+        if self.gpus_per_replica < 0:
+            raise ConfigError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica}")
+        if self.max_ongoing_requests < 1:
+            raise ConfigError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
+        if self.max_request_imbalance < 0:
+            raise ConfigError(f"--router-max-request-imbalance must be >= 0, got {self.max_request_imbalance}")
+        if not 0 <= self.max_kv_imbalance <= 1:
+            raise ConfigError(f"--router-max-kv-imbalance must be in [0, 1], got {self.max_kv_imbalance}")

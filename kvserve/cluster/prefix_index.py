@@ -1,0 +1,109 @@
+"""The kv-aware router's picture of the cluster: which replica probably holds which prompt
+prefix, and the rule that weighs that against load.
+
+The index is approximate, as SGLang's router and llm-d's approximate scorer are: it records
+the chained block keys of the prompts it *sent* to each replica (the keys the replica's prefix
+cache uses), not what the replica really kept. Each replica's record is an LRU list bounded by
+``capacity_blocks`` (about the replica's pool), so the index forgets in roughly the order the
+replica evicts; replicas may also report evictions (``forget``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import NamedTuple
+
+ReplicaKey = str  # a replica's id
+
+
+class PrefixIndex:
+    """Per replica, an LRU set of block keys. Invariant: every replica's set holds at most
+    ``capacity_blocks`` keys, the most recently routed last."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._blocks: dict[ReplicaKey, OrderedDict[bytes, None]] = {}
+
+    @property
+    def replicas(self) -> list[ReplicaKey]:
+        return list(self._blocks)
+
+    def size(self, replica: ReplicaKey) -> int:
+        return len(self._blocks.get(replica, ()))
+
+    def sync(self, replicas: Iterable[ReplicaKey]) -> None:
+        """Track exactly ``replicas``: new ones start empty, gone ones are dropped."""
+        wanted = set(replicas)
+        for gone in set(self._blocks) - wanted:
+            del self._blocks[gone]
+        for new in wanted - set(self._blocks):
+            self._blocks[new] = OrderedDict()
+
+    def matched_blocks(self, replica: ReplicaKey, keys: list[bytes]) -> int:
+        """How many of ``keys``' leading blocks ``replica`` is believed to hold."""
+        held = self._blocks.get(replica)
+        if not held:
+            return 0
+        count = 0
+        for key in keys:  # chained keys: a miss ends the shared prefix
+            if key not in held:
+                break
+            count += 1
+        return count
+
+    def insert(self, replica: ReplicaKey, keys: list[bytes]) -> None:
+        """``replica`` was sent a prompt with these block keys: they become its most recent."""
+        held = self._blocks.setdefault(replica, OrderedDict())
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.capacity_blocks:
+            held.popitem(last=False)
+
+    def forget(self, replica: ReplicaKey, keys: Iterable[bytes]) -> None:
+        """``replica`` reports it evicted these blocks."""
+        held = self._blocks.get(replica)
+        if held is not None:
+            for key in keys:
+                held.pop(key, None)
+
+
+class Load(NamedTuple):
+    """A replica's load as the router sees it: requests queued or running there, and the share
+    of its KV pool in use (from its last routing stats)."""
+
+    requests: float
+    kv_usage: float = 0.0
+
+
+class Route(NamedTuple):
+    replica: ReplicaKey
+    matched_blocks: int
+    reason: str  # "affinity": longest cached prefix; "balance": affinity lost to load; "spread": no prefix held
+
+
+def choose_replica(index: PrefixIndex, keys: list[bytes], loads: dict[ReplicaKey, Load],
+                   max_request_imbalance: float, max_kv_imbalance: float, turn: int = 0) -> Route:
+    """The replica with the longest expected cached prefix, unless its load exceeds the
+    least-loaded replica's by more than ``max_request_imbalance`` requests or
+    ``max_kv_imbalance`` of KV usage (balance beats affinity). Without a match, or when
+    affinity loses, the least-loaded replica; ``turn`` rotates ties among equally loaded ones,
+    so new prefixes spread over idle replicas. ``loads`` must not be empty."""
+    if not loads:
+        raise ValueError("no replica to choose from")
+    least_requests = min(load.requests for load in loads.values())
+    least_kv = min(load.kv_usage for load in loads.values())
+    lightest = min(loads.values())
+    tied = [r for r in loads if loads[r] == lightest]
+    by_load = tied[turn % len(tied)]
+    matches = {replica: index.matched_blocks(replica, keys) for replica in loads}
+    best = max(loads, key=lambda r: (matches[r], -loads[r].requests, -loads[r].kv_usage))
+    if matches[best] == 0:
+        return Route(by_load, 0, "spread")
+    load = loads[best]
+    if load.requests - least_requests > max_request_imbalance or load.kv_usage - least_kv > max_kv_imbalance:
+        return Route(by_load, matches[by_load], "balance")
+    return Route(best, matches[best], "affinity")

@@ -1,0 +1,137 @@
+"""Ray Serve request routers for kvserve replicas: ``round-robin``, ``power-of-two`` (Ray's
+default) and ``kv-aware`` (prefix affinity, bounded by load).
+
+Ray calls ``choose_replicas`` for one pending request and tries the returned ranks in order; a
+replica at its ``max_ongoing_requests`` rejects and the next rank is tried. Round-robin and
+kv-aware honour the request's ``exclude`` (replicas that answered busy) unless it would leave
+none.
+Routers run in the ingress's process; their counters live in ``router_metrics``, which the
+ingress's /metrics appends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from kvserve.cluster import router_metrics
+from kvserve.cluster.asgi import ForwardedRequest
+from kvserve.cluster.config import ROUTER_NAMES
+from kvserve.cluster.prefix_index import Load, PrefixIndex, Route, choose_replica
+
+
+def short_id(replica: RunningReplica) -> str:
+    return str(replica.replica_id.unique_id)
+
+
+def forwarded(pending: PendingRequest | None) -> ForwardedRequest | None:
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if isinstance(arg, ForwardedRequest):
+            return arg
+    return None
+
+
+def eligible(candidates: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
+    """The candidates, less those the request asks to avoid (all of them if it would avoid all),
+    in a stable order."""
+    request = forwarded(pending)
+    ordered = sorted(candidates, key=short_id)
+    if request is None or not request.exclude:
+        return ordered
+    kept = [r for r in ordered if short_id(r) not in request.exclude]
+    return kept or ordered
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each request to the next replica in turn; the rest in turn order as fallback ranks."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ordered = eligible(candidate_replicas, pending_request)
+        if not ordered:
+            return []
+        first = next(self._turn) % len(ordered)
+        rotated = ordered[first:] + ordered[:first]
+        return [[rotated[0]], rotated[1:]] if len(rotated) > 1 else [rotated]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        router_metrics.ROUTED.labels("round-robin", str(replica_id.unique_id), "turn").inc()
+
+
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray's default, as it is (two random replicas, the shorter queue; it picks among all
+    replicas, so a busy replica is avoided by its queue length, not by exclude), counted."""
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        router_metrics.ROUTED.labels("power-of-two", str(replica_id.unique_id), "shorter-queue").inc()
+
+
+class KVAwareRouter(RequestRouter):
+    """Longest expected cached prefix first (PrefixIndex over the block keys the ingress
+    computed), unless that replica is busier than the least-loaded one by more than
+    ``max_request_imbalance`` requests or ``max_kv_imbalance`` KV usage."""
+
+    def initialize_state(self, max_request_imbalance: float = 4.0, max_kv_imbalance: float = 0.3,
+                         index_capacity_blocks: int = 65536, **kwargs: Any) -> None:
+        self.max_request_imbalance = max_request_imbalance
+        self.max_kv_imbalance = max_kv_imbalance
+        self.index = PrefixIndex(index_capacity_blocks)
+        self._routes: dict[str, Route] = {}  # request id -> the route chosen, until it is routed
+        self._turn = itertools.count()  # rotates ties among the least-loaded replicas
+
+    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, Load]:
+        """Queue lengths from Ray's cache, probed where it has none; KV usage from the replica's
+        last routing stats."""
+        lengths: dict[str, float] = {}
+        unknown = []
+        for replica in replicas:
+            length = self._replica_queue_len_cache.get(replica.replica_id)
+            if length is None:
+                unknown.append(replica)
+            else:
+                lengths[short_id(replica)] = float(length)
+        if unknown:
+            for replica, length in await self._probe_queue_lens(unknown, 0):
+                lengths[short_id(replica)] = float("inf") if length is None else float(length)
+        return {short_id(r): Load(lengths[short_id(r)], float((r.routing_stats or {}).get("kv_usage", 0.0)))
+                for r in replicas}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ordered = eligible(candidate_replicas, pending_request)
+        if not ordered:
+            return []
+        self.index.sync(short_id(r) for r in self.curr_replicas.values())
+        request = forwarded(pending_request)
+        keys = list(request.block_keys) if request is not None else []
+        route = choose_replica(self.index, keys, await self._loads(ordered), self.max_request_imbalance,
+                               self.max_kv_imbalance, next(self._turn))
+        first = next(r for r in ordered if short_id(r) == route.replica)
+        if pending_request is not None:
+            self._routes[pending_request.metadata.internal_request_id] = route
+        return [[first], [r for r in ordered if r is not first]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        replica = str(replica_id.unique_id)
+        request = forwarded(pending_request)
+        route = self._routes.pop(pending_request.metadata.internal_request_id, None)
+        reason = route.reason if route is not None and route.replica == replica else "fallback"
+        router_metrics.ROUTED.labels("kv-aware", replica, reason).inc()
+        if request is not None and request.block_keys:
+            keys = list(request.block_keys)
+            router_metrics.PROMPT_BLOCKS.inc(len(keys))
+            router_metrics.MATCHED_BLOCKS.inc(self.index.matched_blocks(replica, keys))
+            self.index.insert(replica, keys)
+
+
+ROUTERS: dict[str, type[RequestRouter]] = {"round-robin": RoundRobinRouter, "power-of-two": PowerOfTwoRouter,
+                                           "kv-aware": KVAwareRouter}
+assert set(ROUTERS) == set(ROUTER_NAMES)
