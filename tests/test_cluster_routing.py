@@ -64,11 +64,11 @@ def test_choose_replica_affinity_within_load_bounds() -> None:
     # KV usage too
     assert choose_replica(index, prompt, {"a": Load(0, 0.9), "b": Load(0, 0.5)}, 4, 0.3).reason == "balance"
     assert choose_replica(index, prompt, {"a": Load(0, 0.7), "b": Load(0, 0.5)}, 4, 0.3).reason == "affinity"
-    # no replica holds the prompt: the least-loaded, equally loaded ones in turn
+    # no replica holds the prompt: the least-loaded, of equally loaded ones the least routed to
     other = keys(list(range(100, 116)))
-    assert [choose_replica(index, other, idle, 4, 0.3, turn) for turn in range(3)] == [
-        ("a", 0, "spread"), ("b", 0, "spread"), ("a", 0, "spread")]
-    assert choose_replica(index, other, {"a": Load(0), "b": Load(3)}, 4, 0.3, turn=1).replica == "a"
+    assert choose_replica(index, other, idle, 4, 0.3, {"a": 3, "b": 2}) == ("b", 0, "spread")
+    assert choose_replica(index, other, idle, 4, 0.3, {"a": 2, "b": 3}) == ("a", 0, "spread")
+    assert choose_replica(index, other, {"a": Load(0), "b": Load(3)}, 4, 0.3, {"a": 9}).replica == "a"
     assert choose_replica(index, other, {"a": Load(1, 0.5), "b": Load(1, 0.2)}, 4, 0.3).replica == "b"
     # the longest match wins among several
     index.insert("b", prompt[:2])

@@ -85,11 +85,15 @@ class KVAwareRouter(RequestRouter):
         self.max_kv_imbalance = max_kv_imbalance
         self.index = PrefixIndex(index_capacity_blocks)
         self._routes: dict[str, Route] = {}  # request id -> the route chosen, until it is routed
-        self._turn = itertools.count()  # rotates ties among the least-loaded replicas
+        # requests routed to each replica: ties among the least-loaded go to the least used (a count of
+        # choose_replicas calls would not do: Ray calls it again when a probe goes unanswered)
+        self._routed: dict[str, int] = {}
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, Load]:
         """Queue lengths from Ray's cache, probed where it has none; KV usage from the replica's
-        last routing stats."""
+        last routing stats. A probe that gets no answer in time says nothing about load: that
+        replica counts as the least-loaded known one (as infinitely loaded, it lost every tie and
+        a full test run sent every new conversation to the other replica)."""
         lengths: dict[str, float] = {}
         unknown = []
         for replica in replicas:
@@ -99,10 +103,12 @@ class KVAwareRouter(RequestRouter):
             else:
                 lengths[short_id(replica)] = float(length)
         if unknown:
-            for replica, length in await self._probe_queue_lens(unknown, 0):
-                lengths[short_id(replica)] = float("inf") if length is None else float(length)
-        return {short_id(r): Load(lengths[short_id(r)], float((r.routing_stats or {}).get("kv_usage", 0.0)))
-                for r in replicas}
+            for replica, length in await self._probe_queue_lens(unknown, 1):
+                if length is not None:
+                    lengths[short_id(replica)] = float(length)
+        neutral = min(lengths.values(), default=0.0)
+        return {short_id(r): Load(lengths.get(short_id(r), neutral),
+                                  float((r.routing_stats or {}).get("kv_usage", 0.0))) for r in replicas}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -113,7 +119,7 @@ class KVAwareRouter(RequestRouter):
         request = forwarded(pending_request)
         keys = list(request.block_keys) if request is not None else []
         route = choose_replica(self.index, keys, await self._loads(ordered), self.max_request_imbalance,
-                               self.max_kv_imbalance, next(self._turn))
+                               self.max_kv_imbalance, self._routed)
         first = next(r for r in ordered if short_id(r) == route.replica)
         if pending_request is not None:
             self._routes[pending_request.metadata.internal_request_id] = route
@@ -125,6 +131,7 @@ class KVAwareRouter(RequestRouter):
         route = self._routes.pop(pending_request.metadata.internal_request_id, None)
         reason = route.reason if route is not None and route.replica == replica else "fallback"
         router_metrics.ROUTED.labels("kv-aware", replica, reason).inc()
+        self._routed[replica] = self._routed.get(replica, 0) + 1
         if request is not None and request.block_keys:
             keys = list(request.block_keys)
             router_metrics.PROMPT_BLOCKS.inc(len(keys))
