@@ -81,6 +81,24 @@ def test_multiturn_dataset_resends_the_whole_history() -> None:
             assert later[: len(earlier)] == earlier
             assert 5 <= len(later) - len(earlier) - turn.max_tokens <= 9
     assert samples[0].prompt[:20] != samples[4].prompt[:20]  # type: ignore[index]
+    assert [s.follows for s in samples] == [None, 0, 1, 2, None, 4, 5, 6]
+
+
+def test_a_conversations_next_turn_waits_for_the_answer(server: dict[str, Any]) -> None:
+    import asyncio
+
+    from kvserve.bench.datasets import build_samples
+    from kvserve.bench.loadgen import run_level
+
+    samples = build_samples("multiturn", 8, "8", "6", prefix_len=16, seed=2)
+    results, _, _ = asyncio.run(run_level(server["base"], MODEL, samples, concurrency=8, api_key=KEY))
+    assert all(r.ok for r in results)
+    for sample, result in zip(samples, results, strict=True):
+        if sample.follows is not None:  # sent after the previous turn's last token, not beside it
+            earlier = results[sample.follows]
+            assert result.start >= earlier.start + earlier.e2e
+    # the two conversations ran beside each other
+    assert results[4].start < results[0].start + results[0].e2e
 
 
 def test_max_duration_cancels_what_is_pending(server: dict[str, Any], tmp_path: Path,

@@ -14,6 +14,7 @@ class Sample:
     prompt: list[int] | str | None  # token ids or text for /v1/completions
     messages: list[dict[str, str]] | None  # for /v1/chat/completions instead
     max_tokens: int
+    follows: int | None = None  # index of the sample (same list) that must finish before this one is sent
 
 
 class LengthSpec:
@@ -49,7 +50,8 @@ def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: st
     """``random``: prompts of random token ids; ``prefix``: each prompt = one of ``num_prefixes``
     shared prefixes of ``prefix_len`` tokens + a random suffix; ``multiturn``: conversations of
     4 turns, each turn resending the whole history (a ``prefix_len``-token system prompt, every
-    earlier user turn and answer) plus a new user turn of ``input_len`` tokens, in turn order;
+    earlier user turn and answer) plus a new user turn of ``input_len`` tokens, each turn sent
+    only once the one before it has finished, as a user would;
     ``jsonl:PATH``: objects with "prompt"/"text" or "messages" (and optional "max_tokens"), the
     rows from ``offset`` on, wrapping around."""
     if num_prompts < 1:
@@ -73,10 +75,10 @@ def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: st
         samples: list[Sample] = []
         while len(samples) < num_prompts:
             history = tokens(prefix_len)
-            for _ in range(4):
+            for turn in range(4):
                 history = history + tokens(in_len.draw(rng))
                 answer = out_len.draw(rng)
-                samples.append(Sample(list(history), None, answer))
+                samples.append(Sample(list(history), None, answer, len(samples) - 1 if turn else None))
                 history = history + tokens(answer)  # the next turn resends this answer too
         return samples[:num_prompts]
     if dataset.startswith("jsonl:"):

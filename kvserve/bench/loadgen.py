@@ -31,6 +31,7 @@ _ACCEPTED = ("kvserve:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_
 class RequestResult:
     ok: bool
     error: str = ""
+    start: float = 0.0  # time.perf_counter() when sent
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float = 0.0  # seconds from send to the first content
@@ -53,13 +54,13 @@ async def one_request(client: httpx.AsyncClient, base_url: str, model: str, samp
         body["prompt"] = sample.prompt
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, start=start)
     last = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                return RequestResult(ok=False, error=f"HTTP {response.status_code}: {text[:200]}")
+                return RequestResult(ok=False, error=f"HTTP {response.status_code}: {text[:200]}", start=start)
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -77,7 +78,7 @@ async def one_request(client: httpx.AsyncClient, base_url: str, model: str, samp
                             result.itl.append(now - last)
                         last = now
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}", start=start)
     result.e2e = time.perf_counter() - start
     result.ok = last is not None or result.output_tokens == 0
     if last is None:
@@ -160,7 +161,8 @@ async def run_level(base_url: str, model: str, samples: list[Sample], concurrenc
                     seed: int = 0, progress: Any = None, max_duration: float | None = None,
                     ) -> tuple[list[RequestResult], float, ServerTrace]:
     """Send every sample, at most ``concurrency`` in flight, or at Poisson arrivals of ``rate``
-    requests/s; after ``max_duration`` seconds the requests still pending are cancelled and
+    requests/s, a sample that follows another (a conversation's next turn) not before that one has
+    finished; after ``max_duration`` seconds the requests still pending are cancelled and
     count as errors. Returns the results (in sample order), the wall time and the server trace."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency or 0, 64) + 4)
@@ -169,14 +171,18 @@ async def run_level(base_url: str, model: str, samples: list[Sample], concurrenc
         watcher = asyncio.create_task(_watch(client, base_url, headers, trace, stop))
         gate = asyncio.Semaphore(concurrency or len(samples))
         rng = random.Random(seed)
+        finished = [asyncio.Event() for _ in samples]
 
-        async def send(sample: Sample, delay: float) -> RequestResult:
+        async def send(index: int, sample: Sample, delay: float) -> RequestResult:
             try:
                 await asyncio.sleep(delay)
+                if sample.follows is not None:
+                    await finished[sample.follows].wait()
                 async with gate:
                     result = await one_request(client, base_url, model, sample, headers)
             except asyncio.CancelledError:
                 result = RequestResult(ok=False, error=f"not finished within --max-duration {max_duration:g} s")
+            finished[index].set()
             if progress is not None:
                 progress.update(1)
             return result
@@ -187,7 +193,7 @@ async def run_level(base_url: str, model: str, samples: list[Sample], concurrenc
             if rate:
                 t += rng.expovariate(rate)
         start = time.perf_counter()
-        tasks = [asyncio.create_task(send(s, d)) for s, d in zip(samples, delays, strict=True)]
+        tasks = [asyncio.create_task(send(i, s, d)) for i, (s, d) in enumerate(zip(samples, delays, strict=True))]
         _, pending = await asyncio.wait(tasks, timeout=max_duration)
         for task in pending:
             task.cancel()
