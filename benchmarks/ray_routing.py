@@ -3,7 +3,8 @@
     python benchmarks/ray_routing.py --out docs/results/ray_routing.json
 
 Two replicas (one CPU each) of the default model behind ``kvserve serve --ray``'s ingress; for
-each router and workload, one ``kvserve bench serve`` run at one concurrency level. The
+each router and workload, one ``kvserve bench serve`` run at one concurrency level; kv-aware
+once per pair of load bounds measured (``--request-imbalances``, ``--kv-imbalances``). The
 cluster-wide prefix hit rate is the change in the replicas' summed ``kvserve:prefix_cache_hits``
 over ``prefix_cache_queries`` (the ingress's aggregated /metrics) across the run. The reference
 is one replica that holds everything: the same ingress, one replica with both replicas' KV
@@ -11,7 +12,8 @@ budget and both CPUs.
 
 Workloads (token-id prompts from ``kvserve bench``'s generators):
 - ``shared-prompts``: 8 system prompts of 512 tokens, each request one of them + 64 own tokens;
-- ``multi-turn``: conversations of 4 turns resending their history (a 128-token system prompt);
+- ``multi-turn``: conversations of 4 turns resending their history (a 128-token system prompt),
+  each turn sent once the previous answer is in;
 - ``random``: unrelated prompts of 256-768 tokens (nothing to share: kv-aware must not lose).
 """
 
@@ -41,27 +43,45 @@ WORKLOADS: dict[str, list[str]] = {
 ROUTERS = ("round-robin", "power-of-two", "kv-aware")
 
 
-def prefix_counters(base: str) -> tuple[float, float]:
-    """(hits, queries) in prompt tokens, summed over the replicas."""
+def counters(base: str) -> dict[str, float]:
+    """Prefix hits and queries in prompt tokens, summed over the replicas, the requests each replica
+    served ("replica:ID") and the kv-aware router's decisions by reason ("routed:REASON"), which
+    count every routed call (also /v1/models, /v1/kv)."""
     text = httpx.get(base + "/metrics", timeout=30).text
-    totals = {"kvserve:prefix_cache_hits": 0.0, "kvserve:prefix_cache_queries": 0.0}
+    totals: dict[str, float] = {"hits": 0.0, "queries": 0.0}
     for family in text_string_to_metric_families(text):
-        if family.name in totals:
-            totals[family.name] += sum(s.value for s in family.samples if not s.name.endswith("_created"))
-    return totals["kvserve:prefix_cache_hits"], totals["kvserve:prefix_cache_queries"]
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if family.name == "kvserve:prefix_cache_hits":
+                totals["hits"] += sample.value
+            elif family.name == "kvserve:prefix_cache_queries":
+                totals["queries"] += sample.value
+            elif family.name == "kvserve:router_requests" and sample.labels["router"] == "kv-aware":
+                key = "routed:" + sample.labels["reason"]
+                totals[key] = totals.get(key, 0.0) + sample.value
+            elif family.name == "kvserve:request_prompt_tokens" and sample.name.endswith("_count"):
+                key = "replica:" + sample.labels["replica"]
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
 
 
 def bench(base: str, workload: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One bench run; its level's figures and the cluster's prefix hit rate over it."""
     time.sleep(2.5)  # replicas push their metrics each second: let the last run's settle
-    hits0, queries0 = prefix_counters(base)
+    before = counters(base)
     subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base, *WORKLOADS[workload],
                     "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency), "--quiet",
                     "--out", str(out)], check=True)
     time.sleep(2.5)
-    hits1, queries1 = prefix_counters(base)
+    after = counters(base)
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     level = json.loads((out / "results.json").read_text())["levels"][0]
-    return {"prefix_hit_rate": (hits1 - hits0) / max(1.0, queries1 - queries0),
+    return {"prefix_hit_rate": delta["hits"] / max(1.0, delta["queries"]),
+            "routed": {key.split(":", 1)[1]: round(value) for key, value in delta.items()
+                       if key.startswith("routed:") and value},
+            "per_replica": sorted((round(value) for key, value in delta.items()
+                                   if key.startswith("replica:") and value), reverse=True),
             "ttft_p50": level["ttft_s"]["p50"], "ttft_p99": level["ttft_s"]["p99"],
             "request_throughput": level["request_throughput"], "output_throughput": level["output_throughput"],
             "errors": level["errors"]}
@@ -73,6 +93,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--request-imbalances", default="2,4,8",
+                        help="kv-aware runs, one per --router-max-request-imbalance")
+    parser.add_argument("--kv-imbalances", default="0.3,0.1",
+                        help="kv-aware runs at the default request imbalance, one per --router-max-kv-imbalance")
     parser.add_argument("--out", type=Path, default=Path("docs/results/ray_routing.json"))
     args = parser.parse_args()
     import ray
@@ -83,13 +107,20 @@ def main() -> None:
     from kvserve.config import EngineConfig, parse_size
     from kvserve.server.app import ServerConfig
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = 8300
     base = f"http://127.0.0.1:{port}"
     runs_dir = Path("bench_out/ray_routing")
     per_replica = parse_size(args.kv_cache_memory, "--kv-cache-memory")
     setups: dict[str, tuple[ClusterConfig, int]] = {
-        router: (ClusterConfig(num_replicas=2, router=router), per_replica) for router in ROUTERS}
+        router: (ClusterConfig(num_replicas=2, router=router), per_replica) for router in ROUTERS[:2]}
+    default = ClusterConfig()
+    for requests in (float(x) for x in args.request_imbalances.split(",")):
+        for kv in (float(x) for x in args.kv_imbalances.split(",")):
+            if requests == default.max_request_imbalance or kv == default.max_kv_imbalance:
+                setups[f"kv-aware {requests:g}/{kv:g}"] = (
+                    ClusterConfig(num_replicas=2, router="kv-aware", max_request_imbalance=requests,
+                                  max_kv_imbalance=kv), per_replica)
     setups["one replica, all KV"] = (ClusterConfig(num_replicas=1, router="round-robin", cpus_per_replica=2),
                                      2 * per_replica)
     results: dict[str, Any] = {"cpu": cpu_name(), "kv_cache_memory_per_replica": args.kv_cache_memory,
@@ -100,7 +131,7 @@ def main() -> None:
         for workload in args.workloads.split(","):
             result = bench(base, workload, args, runs_dir / name.replace(" ", "_").replace(",", "") / workload)
             results["runs"].setdefault(workload, {})[name] = result
-            print(f"{workload:15s} {name:20s} hit rate {result['prefix_hit_rate']:.3f}  "
+            print(f"{workload:15s} {name:20s} {result['per_replica']} hit rate {result['prefix_hit_rate']:.3f}  "
                   f"TTFT p50 {result['ttft_p50']:.3f} p99 {result['ttft_p99']:.3f} s  "
                   f"{result['request_throughput']:.2f} req/s", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ class LengthSpec:
 def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: str, prefix_len: int = 1000,
                   num_prefixes: int = 4, seed: int = 0, vocab: int = 32000, offset: int = 0) -> list[Sample]:
     """``random``: prompts of random token ids; ``prefix``: each prompt = one of ``num_prefixes``
-    shared prefixes of ``prefix_len`` tokens + a random suffix; ``multiturn``: conversations of
+    shared prefixes (drawn at random) of ``prefix_len`` tokens + a random suffix; ``multiturn``: conversations of
     4 turns, each turn resending the whole history (a ``prefix_len``-token system prompt, every
     earlier user turn and answer) plus a new user turn of ``input_len`` tokens, each turn sent
     only once the one before it has finished, as a user would;
@@ -69,8 +69,9 @@ def build_samples(dataset: str, num_prompts: int, input_len: str, output_len: st
         if prefix_len < 1 or num_prefixes < 1:
             raise ConfigError("--prefix-len and --num-prefixes must be positive")
         prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
-        return [Sample(prefixes[i % num_prefixes] + tokens(in_len.draw(rng)), None,
-                       out_len.draw(rng)) for i in range(num_prompts)]
+        # a seeded random prefix per prompt, not a cycle: a cycle lines up with round-robin routing
+        return [Sample(rng.choice(prefixes) + tokens(in_len.draw(rng)), None, out_len.draw(rng))
+                for _ in range(num_prompts)]
     if dataset == "multiturn":
         samples: list[Sample] = []
         while len(samples) < num_prompts:

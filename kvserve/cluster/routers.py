@@ -85,29 +85,16 @@ class KVAwareRouter(RequestRouter):
         self.max_kv_imbalance = max_kv_imbalance
         self.index = PrefixIndex(index_capacity_blocks)
         self._routes: dict[str, Route] = {}  # request id -> the route chosen, until it is routed
+        # requests this router sent to each replica and not yet completed: its load. (Ray's cached
+        # queue lengths lag by seconds; under a burst every request saw the replicas as equal.)
+        self._in_flight: dict[str, int] = {}
         # requests routed to each replica: ties among the least-loaded go to the least used (a count of
         # choose_replicas calls would not do: Ray calls it again when a probe goes unanswered)
         self._routed: dict[str, int] = {}
 
-    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, Load]:
-        """Queue lengths from Ray's cache, probed where it has none; KV usage from the replica's
-        last routing stats. A probe that gets no answer in time says nothing about load: that
-        replica counts as the least-loaded known one (as infinitely loaded, it lost every tie and
-        a full test run sent every new conversation to the other replica)."""
-        lengths: dict[str, float] = {}
-        unknown = []
-        for replica in replicas:
-            length = self._replica_queue_len_cache.get(replica.replica_id)
-            if length is None:
-                unknown.append(replica)
-            else:
-                lengths[short_id(replica)] = float(length)
-        if unknown:
-            for replica, length in await self._probe_queue_lens(unknown, 1):
-                if length is not None:
-                    lengths[short_id(replica)] = float(length)
-        neutral = min(lengths.values(), default=0.0)
-        return {short_id(r): Load(lengths.get(short_id(r), neutral),
+    def _loads(self, replicas: list[RunningReplica]) -> dict[str, Load]:
+        """Requests in flight from this router; KV usage from the replica's last routing stats."""
+        return {short_id(r): Load(float(self._in_flight.get(short_id(r), 0)),
                                   float((r.routing_stats or {}).get("kv_usage", 0.0))) for r in replicas}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -118,7 +105,7 @@ class KVAwareRouter(RequestRouter):
         self.index.sync(short_id(r) for r in self.curr_replicas.values())
         request = forwarded(pending_request)
         keys = list(request.block_keys) if request is not None else []
-        route = choose_replica(self.index, keys, await self._loads(ordered), self.max_request_imbalance,
+        route = choose_replica(self.index, keys, self._loads(ordered), self.max_request_imbalance,
                                self.max_kv_imbalance, self._routed)
         first = next(r for r in ordered if short_id(r) == route.replica)
         if pending_request is not None:
@@ -135,11 +122,17 @@ class KVAwareRouter(RequestRouter):
         reason = route.reason if route is not None and route.replica == replica else "fallback"
         router_metrics.ROUTED.labels("kv-aware", replica, reason).inc()
         self._routed[replica] = self._routed.get(replica, 0) + 1
+        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
         if request is not None and request.block_keys:
             keys = list(request.block_keys)
             router_metrics.PROMPT_BLOCKS.inc(len(keys))
             router_metrics.MATCHED_BLOCKS.inc(self.index.matched_blocks(replica, keys))
             self.index.insert(replica, keys)
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        replica = str(replica_id.unique_id)
+        self._in_flight[replica] = max(0, self._in_flight.get(replica, 0) - 1)
+        self._routes.pop(internal_request_id, None)
 
 
 ROUTERS: dict[str, type[RequestRouter]] = {"round-robin": RoundRobinRouter, "power-of-two": PowerOfTwoRouter,
