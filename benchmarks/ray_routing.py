@@ -83,8 +83,30 @@ def bench(base: str, workload: str, args: argparse.Namespace, out: Path) -> dict
             "per_replica": sorted((round(value) for key, value in delta.items()
                                    if key.startswith("replica:") and value), reverse=True),
             "ttft_p50": level["ttft_s"]["p50"], "ttft_p99": level["ttft_s"]["p99"],
+            "tpot_p50": level["tpot_s"]["p50"], "e2e_mean": level["e2e_s"]["mean"],
             "request_throughput": level["request_throughput"], "output_throughput": level["output_throughput"],
             "errors": level["errors"]}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """One table per workload: each setup's hit rate (and its share of the one-replica hit rate),
+    TTFT, throughput against round-robin, and how it split the requests."""
+    lines = []
+    for workload, runs in results["runs"].items():
+        single = runs.get("one replica, all KV", {}).get("prefix_hit_rate") or 0.0
+        base = runs.get("round-robin", {}).get("request_throughput")
+        lines += [f"**{workload}**", "",
+                  "| setup | prefix hit rate | of one replica's | TTFT p50 | TTFT p99 | req/s | vs round-robin "
+                  "| requests per replica | kv-aware decisions |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in runs.items():
+            share = f"{r['prefix_hit_rate'] / single:.0%}" if single else "-"
+            ratio = f"{r['request_throughput'] / base:.2f}x" if base else "-"
+            decisions = ", ".join(f"{k} {v}" for k, v in sorted(r.get("routed", {}).items())) or "-"
+            lines.append(f"| {name} | {r['prefix_hit_rate']:.3f} | {share} | {r['ttft_p50']:.2f} s | "
+                         f"{r['ttft_p99']:.2f} s | {r['request_throughput']:.2f} | {ratio} | "
+                         f"{'/'.join(str(n) for n in r.get('per_replica', []))} | {decisions} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -98,7 +120,11 @@ def main() -> None:
     parser.add_argument("--kv-imbalances", default="0.3,0.1",
                         help="kv-aware runs at the default request imbalance, one per --router-max-kv-imbalance")
     parser.add_argument("--out", type=Path, default=Path("docs/results/ray_routing.json"))
+    parser.add_argument("--report", type=Path, default=None, help="print the tables of a saved run and exit")
     args = parser.parse_args()
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())))
+        return
     import ray
     from ray import serve
 
@@ -138,6 +164,7 @@ def main() -> None:
             args.out.write_text(json.dumps(results, indent=1))
         serve.delete("kvserve")
     serve.shutdown()
+    print(markdown(results))
 
 
 if __name__ == "__main__":
