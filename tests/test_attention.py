@@ -23,6 +23,7 @@ from kvserve.model.attention import (
     use_decode_kernel,
     use_prefill_kernel,
 )
+from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.llama import apply_rope
 
 needs_kernel = pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
@@ -70,6 +71,38 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
         layer.write(new_k, new_v, meta.write)
         outs.append(paged_attention(query, layer, meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 32, 128])
+@pytest.mark.parametrize("batch", [1, 6])  # 1: a job per KV head; 6: a job per sequence (two threads)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
+def test_bf16_decode_kernel_is_float32_attention_over_the_bf16_values(block_size: int, batch: int, heads: int,
+                                                                      kv_heads: int, dim: int) -> None:
+    """bf16 pools (the AVX512-BF16 one-pass path where the CPU has it): float32 attention over the
+    stored bf16 values, rounded once to bf16 at the end, across chunk and block edges."""
+    torch.manual_seed(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lens = torch.tensor([1, 15, 16, 17, 100, 300][:batch] if batch > 1 else [300])
+        width = int((lens.max() + block_size - 1) // block_size)
+        cache = torch.randn(batch * width + 1, 2 * kv_heads, block_size, dim).to(torch.bfloat16)
+        tables = (torch.randperm(batch * width) + 1).view(batch, width)
+        query = (3 * torch.randn(batch, heads, dim)).to(torch.bfloat16)  # peaked softmaxes too
+        out = torch.empty_like(query)
+        kernel = cpu_op("paged_decode_attention")
+        kernel(out, query, cache, tables, lens, dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    group = heads // kv_heads
+    for b in range(batch):
+        blocks = cache[tables[b]].float()  # [width, 2*kv_heads, block, dim]
+        kv = blocks.permute(1, 0, 2, 3).reshape(2 * kv_heads, -1, dim)[:, : lens[b]]
+        k, v = kv[:kv_heads].repeat_interleave(group, 0), kv[kv_heads:].repeat_interleave(group, 0)
+        weights = torch.softmax(query[b].float()[:, None, :] @ k.transpose(1, 2) * dim**-0.5, dim=-1)
+        expected = (weights @ v)[:, 0].to(torch.bfloat16)
+        torch.testing.assert_close(out[b].float(), expected.float(), atol=8e-3, rtol=8e-3)
 
 
 @pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")

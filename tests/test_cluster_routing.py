@@ -64,7 +64,7 @@ def test_choose_replica_affinity_within_load_bounds() -> None:
     # KV usage too
     assert choose_replica(index, prompt, {"a": Load(0, 0.9), "b": Load(0, 0.5)}, 4, 0.3).reason == "balance"
     assert choose_replica(index, prompt, {"a": Load(0, 0.7), "b": Load(0, 0.5)}, 4, 0.3).reason == "affinity"
-    # no replica holds the prompt: the least-loaded, of equally loaded ones the least routed to
+    # no replica holds the prompt: the least-loaded, of equally loaded ones the one chosen least recently
     other = keys(list(range(100, 116)))
     assert choose_replica(index, other, idle, 4, 0.3, {"a": 3, "b": 2}) == ("b", 0, "spread")
     assert choose_replica(index, other, idle, 4, 0.3, {"a": 2, "b": 3}) == ("a", 0, "spread")

@@ -87,20 +87,20 @@ class Route(NamedTuple):
 
 def choose_replica(index: PrefixIndex, keys: list[bytes], loads: dict[ReplicaKey, Load],
                    max_request_imbalance: float, max_kv_imbalance: float,
-                   routed: dict[ReplicaKey, int] | None = None) -> Route:
+                   last_chosen: dict[ReplicaKey, int] | None = None) -> Route:
     """The replica with the longest expected cached prefix, unless its load exceeds the
     least-loaded replica's by more than ``max_request_imbalance`` requests or
     ``max_kv_imbalance`` of KV usage (balance beats affinity). Without a match, or when
-    affinity loses, the least-loaded replica; among equally loaded ones, the one ``routed`` (the
-    requests sent to each so far) shows least, so new prefixes spread over idle replicas.
-    ``loads`` must not be empty."""
+    affinity loses, the least-loaded replica; among equally loaded ones, the one chosen least
+    recently (``last_chosen``: a sequence number per replica; never chosen counts as oldest), so
+    new prefixes take turns over idle replicas. ``loads`` must not be empty."""
     if not loads:
         raise ValueError("no replica to choose from")
     least_requests = min(load.requests for load in loads.values())
     least_kv = min(load.kv_usage for load in loads.values())
     lightest = min(loads.values())
     tied = [r for r in loads if loads[r] == lightest]
-    by_load = min(tied, key=lambda r: (routed or {}).get(r, 0))
+    by_load = min(tied, key=lambda r: (last_chosen or {}).get(r, -1))
     matches = {replica: index.matched_blocks(replica, keys) for replica in loads}
     best = max(loads, key=lambda r: (matches[r], -loads[r].requests, -loads[r].kv_usage))
     if matches[best] == 0:

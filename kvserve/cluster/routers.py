@@ -20,7 +20,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from kvserve.cluster import router_metrics
 from kvserve.cluster.asgi import ForwardedRequest
 from kvserve.cluster.config import ROUTER_NAMES
-from kvserve.cluster.prefix_index import Load, PrefixIndex, Route, choose_replica
+from kvserve.cluster.prefix_index import Load, PrefixIndex, choose_replica
 
 
 def short_id(replica: RunningReplica) -> str:
@@ -84,17 +84,28 @@ class KVAwareRouter(RequestRouter):
         self.max_request_imbalance = max_request_imbalance
         self.max_kv_imbalance = max_kv_imbalance
         self.index = PrefixIndex(index_capacity_blocks)
-        self._routes: dict[str, Route] = {}  # request id -> the route chosen, until it is routed
-        # requests this router sent to each replica and not yet completed: its load. (Ray's cached
-        # queue lengths lag by seconds; under a burst every request saw the replicas as equal.)
-        self._in_flight: dict[str, int] = {}
-        # requests routed to each replica: ties among the least-loaded go to the least used (a count of
-        # choose_replicas calls would not do: Ray calls it again when a probe goes unanswered)
-        self._routed: dict[str, int] = {}
+        # request id -> the replica it is counted against, from its choice until it completes. The
+        # load of a replica is the number of such requests: counted when chosen, not when routed,
+        # since Ray may call choose_replicas for the next request before routing this one, and
+        # not from Ray's cached queue lengths, which lag by seconds.
+        self._charged: dict[str, str] = {}
+        self._load: dict[str, int] = {}
+        self._reasons: dict[str, str] = {}  # request id -> why it was chosen, until it is routed
+        self._choices = itertools.count()
+        self._last_chosen: dict[str, int] = {}  # ties go to the replica chosen least recently
+
+    def _charge(self, request_id: str, replica: str | None) -> None:
+        """Count ``request_id`` against ``replica`` (None: against none any more)."""
+        previous = self._charged.pop(request_id, None)
+        if previous is not None:
+            self._load[previous] -= 1
+        if replica is not None:
+            self._charged[request_id] = replica
+            self._load[replica] = self._load.get(replica, 0) + 1
 
     def _loads(self, replicas: list[RunningReplica]) -> dict[str, Load]:
-        """Requests in flight from this router; KV usage from the replica's last routing stats."""
-        return {short_id(r): Load(float(self._in_flight.get(short_id(r), 0)),
+        """Requests chosen for each replica and not completed; KV usage from its last routing stats."""
+        return {short_id(r): Load(float(self._load.get(short_id(r), 0)),
                                   float((r.routing_stats or {}).get("kv_usage", 0.0))) for r in replicas}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -103,26 +114,32 @@ class KVAwareRouter(RequestRouter):
         if not ordered:
             return []
         self.index.sync(short_id(r) for r in self.curr_replicas.values())
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if request_id is not None and self._charged.get(request_id) in {short_id(r) for r in ordered}:
+            # Ray asks again when its probe of the chosen replica went unanswered: the same answer
+            # (a new choice here once sent every request of a test run to the fastest replica)
+            return [[next(r for r in ordered if short_id(r) == self._charged[request_id])]]
         request = forwarded(pending_request)
         keys = list(request.block_keys) if request is not None else []
         route = choose_replica(self.index, keys, self._loads(ordered), self.max_request_imbalance,
-                               self.max_kv_imbalance, self._routed)
-        first = next(r for r in ordered if short_id(r) == route.replica)
-        if pending_request is not None:
-            self._routes[pending_request.metadata.internal_request_id] = route
-        # one rank: when Ray's probe of the chosen replica goes unanswered it asks again (with a longer
-        # deadline) instead of falling through to the others, which sent every request of a cold
-        # fresh-clone test run to the one replica that answered fastest
-        return [[first]]
+                               self.max_kv_imbalance, self._last_chosen)
+        self._last_chosen[route.replica] = next(self._choices)
+        if request_id is not None:
+            self._charge(request_id, route.replica)
+            self._reasons[request_id] = route.reason
+        # one rank: when Ray's probe of the chosen replica goes unanswered it asks again instead of
+        # falling through to the others
+        return [[next(r for r in ordered if short_id(r) == route.replica)]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
         replica = str(replica_id.unique_id)
-        request = forwarded(pending_request)
-        route = self._routes.pop(pending_request.metadata.internal_request_id, None)
-        reason = route.reason if route is not None and route.replica == replica else "fallback"
+        request_id = pending_request.metadata.internal_request_id
+        reason = self._reasons.pop(request_id, "fallback")
+        if self._charged.get(request_id) != replica:
+            reason = "fallback"
+            self._charge(request_id, replica)
         router_metrics.ROUTED.labels("kv-aware", replica, reason).inc()
-        self._routed[replica] = self._routed.get(replica, 0) + 1
-        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+        request = forwarded(pending_request)
         if request is not None and request.block_keys:
             keys = list(request.block_keys)
             router_metrics.PROMPT_BLOCKS.inc(len(keys))
@@ -130,10 +147,8 @@ class KVAwareRouter(RequestRouter):
             self.index.insert(replica, keys)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
-        replica = str(replica_id.unique_id)
-        self._in_flight[replica] = max(0, self._in_flight.get(replica, 0) - 1)
-        self._routes.pop(internal_request_id, None)
-
+        self._charge(internal_request_id, None)
+        self._reasons.pop(internal_request_id, None)
 
 ROUTERS: dict[str, type[RequestRouter]] = {"round-robin": RoundRobinRouter, "power-of-two": PowerOfTwoRouter,
                                            "kv-aware": KVAwareRouter}

@@ -1,0 +1,128 @@
+"""Decode attention over a cold pool against this machine's sequential read bandwidth (issue 19, target 1).
+
+    python benchmarks/decode_bandwidth.py --out docs/results/decode_bandwidth.json
+
+One decode step's attention for every layer of the default model's shape (30 layer pools, 9
+query heads on 3 KV heads, head_dim 64), each layer's pool larger than the last-level cache, so
+every K/V byte comes from memory: the kernel's bytes of K/V (and scales) read per second, beside
+the sequential read bandwidth measured in the same run (``x.sum()`` over 512 MiB, the same
+threads). int8 and fp8 pools are counted in their own bytes (codes plus per-token value scales),
+with calibrated static key scales, as ``--kv-cache-dtype int8|fp8 --kv-scales`` runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import cpu_name
+
+from kvserve.cache.kv_quant import KIND_CODES
+from kvserve.model.attention import fp8_table
+from kvserve.model.cpu_kernels import cpu_op
+
+HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def sequential_read_gbps() -> float:
+    x = torch.ones(256 * 2**20, dtype=torch.bfloat16)  # 512 MiB
+    return x.numel() * x.element_size() / best_of(lambda: x.sum(), 5) / 1e9
+
+
+def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers: int = LAYERS
+                ) -> dict[str, float]:
+    """Milliseconds per layer of decode attention, the K/V bytes it read and the rate; ``layers``
+    pools, each read once per step (LAYERS of them: cold, from memory; one small one: hot, from cache)."""
+    per = -(-length // block_size)
+    num_blocks = batch * per + 1
+    tables = (torch.randperm(batch * per) + 1).view(batch, per)  # scattered, as after churn
+    lens = torch.full((batch,), length)
+    q = torch.randn(batch, HEADS, DIM).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    shape = (num_blocks, 2 * KV_HEADS, block_size, DIM)
+    if kv_dtype == "bf16":
+        op = cpu_op("paged_decode_attention")
+        pools = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
+
+        def layer(i: int) -> None:
+            op(out, q, pools[i], tables, lens, DIM**-0.5)
+        value_scales = None
+    else:
+        op = cpu_op("paged_attention_quantized")
+        kind = "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
+        if kind == "int8":
+            pools = [torch.randint(-127, 128, shape, dtype=torch.int8) for _ in range(layers)]
+        else:
+            pools = [torch.randn(shape).to(torch.float8_e4m3fn).view(torch.uint8) for _ in range(layers)]
+        key_scales = torch.rand(KV_HEADS, DIM) / 50 + 0.01
+        value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, 1) / 50 + 0.01) if kind == "int8" else None
+        lut = fp8_table(kind) if kind != "int8" else None
+
+        def layer(i: int) -> None:
+            assert op(out, q, pools[i], KIND_CODES[kind], key_scales, value_scales, 0.02, lut, None, None, tables,
+                      lens, 1, DIM**-0.5)
+    seconds = best_of(lambda: [layer(i) for i in range(layers)], 3 if layers > 1 else 200) / layers
+    token_bytes = 2 * KV_HEADS * DIM * pools[0].element_size() + (KV_HEADS * 4 if value_scales is not None else 0)
+    return {"ms_per_layer": 1e3 * seconds, "ns_per_token": 1e9 * seconds / (batch * length),
+            "kv_bytes": batch * length * token_bytes,
+            "gbps": batch * length * token_bytes / seconds / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-dtypes", default="bf16,int8,fp8")
+    parser.add_argument("--block-sizes", default="16,32,64,128")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_op("paged_decode_attention") is None:
+        raise SystemExit("the C++ ops are not available here")
+    read = sequential_read_gbps()
+    result: dict[str, object] = {"cpu": cpu_name(), "threads": args.threads, "batch": args.batch,
+                                 "length": args.length, "sequential_read_gbps": read, "runs": []}
+    print(f"sequential read: {read:.1f} GB/s ({args.threads} threads); decode attention {args.batch} x {args.length}")
+    print("| KV dtype | block size | ms / layer | GB/s of K/V | of sequential read |")
+    print("|---|---|---|---|---|")
+    for kv_dtype in args.kv_dtypes.split(","):
+        for block_size in (int(b) for b in args.block_sizes.split(",")):
+            row = decode_step(kv_dtype, block_size, args.batch, args.length)
+            result["runs"].append({"kv_dtype": kv_dtype, "block_size": block_size, **row})  # type: ignore[attr-defined]
+            print(f"| {kv_dtype} | {block_size} | {row['ms_per_layer']:.3f} | {row['gbps']:.1f} | "
+                  f"{row['gbps'] / read:.0%} |", flush=True)
+    # hot: one thread, one 2 x 512-token pool read again and again from cache: the kernel's compute
+    torch.set_num_threads(1)
+    print("\nhot pool (1 thread, 2 x 512 tokens, block 16, in cache):")
+    for kv_dtype in args.kv_dtypes.split(","):
+        row = decode_step(kv_dtype, 16, 2, 512, layers=1)
+        result["hot_" + kv_dtype] = row
+        print(f"| {kv_dtype} | {row['ns_per_token']:.1f} ns per token (3 KV heads, 9 query heads) | "
+              f"{row['gbps']:.1f} GB/s |", flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
