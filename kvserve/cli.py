@@ -161,9 +161,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                  max_waiting=args.max_waiting, max_logprobs=args.max_logprobs, tuned_workload=tuned)
     if args.ray:
-        cluster = ClusterConfig(args.num_replicas, args.router, args.ray_address, args.cpus_per_replica,
-                                args.gpus_per_replica, args.max_ongoing_requests, args.router_max_request_imbalance,
-                                args.router_max_kv_imbalance)
+        cluster = ClusterConfig(num_replicas=args.num_replicas, router=args.router, ray_address=args.ray_address,
+                                cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                                max_ongoing_requests=args.max_ongoing_requests,
+                                max_request_imbalance=args.router_max_request_imbalance,
+                                max_kv_imbalance=args.router_max_kv_imbalance)
         try:
             from kvserve.cluster.deploy import run
         except ImportError as exc:

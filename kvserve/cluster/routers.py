@@ -20,7 +20,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from kvserve.cluster import router_metrics
 from kvserve.cluster.asgi import ForwardedRequest
 from kvserve.cluster.config import ROUTER_NAMES
-from kvserve.cluster.prefix_index import Load, PrefixIndex, choose_replica
+from kvserve.cluster.prefix_index import Load, PrefixIndex, Route, choose_replica
 
 
 def short_id(replica: RunningReplica) -> str:
@@ -84,24 +84,23 @@ class KVAwareRouter(RequestRouter):
         self.max_request_imbalance = max_request_imbalance
         self.max_kv_imbalance = max_kv_imbalance
         self.index = PrefixIndex(index_capacity_blocks)
-        # request id -> the replica it is counted against, from its choice until it completes. The
+        # request id -> the route it is counted against, from its choice until it completes. The
         # load of a replica is the number of such requests: counted when chosen, not when routed,
         # since Ray may call choose_replicas for the next request before routing this one, and
         # not from Ray's cached queue lengths, which lag by seconds.
-        self._charged: dict[str, str] = {}
+        self._charged: dict[str, Route] = {}
         self._load: dict[str, int] = {}
-        self._reasons: dict[str, str] = {}  # request id -> why it was chosen, until it is routed
         self._choices = itertools.count()
         self._last_chosen: dict[str, int] = {}  # ties go to the replica chosen least recently
 
-    def _charge(self, request_id: str, replica: str | None) -> None:
-        """Count ``request_id`` against ``replica`` (None: against none any more)."""
+    def _charge(self, request_id: str, route: Route | None) -> None:
+        """Count ``request_id`` against ``route``'s replica (None: against none any more)."""
         previous = self._charged.pop(request_id, None)
         if previous is not None:
-            self._load[previous] -= 1
-        if replica is not None:
-            self._charged[request_id] = replica
-            self._load[replica] = self._load.get(replica, 0) + 1
+            self._load[previous.replica] -= 1
+        if route is not None:
+            self._charged[request_id] = route
+            self._load[route.replica] = self._load.get(route.replica, 0) + 1
 
     def _loads(self, replicas: list[RunningReplica]) -> dict[str, Load]:
         """Requests chosen for each replica and not completed; KV usage from its last routing stats."""
@@ -115,18 +114,18 @@ class KVAwareRouter(RequestRouter):
             return []
         self.index.sync(short_id(r) for r in self.curr_replicas.values())
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        if request_id is not None and self._charged.get(request_id) in {short_id(r) for r in ordered}:
+        chosen = self._charged.get(request_id) if request_id is not None else None
+        if chosen is not None and any(short_id(r) == chosen.replica for r in ordered):
             # Ray asks again when its probe of the chosen replica went unanswered: the same answer
             # (a new choice here once sent every request of a test run to the fastest replica)
-            return [[next(r for r in ordered if short_id(r) == self._charged[request_id])]]
+            return [[next(r for r in ordered if short_id(r) == chosen.replica)]]
         request = forwarded(pending_request)
         keys = list(request.block_keys) if request is not None else []
         route = choose_replica(self.index, keys, self._loads(ordered), self.max_request_imbalance,
                                self.max_kv_imbalance, self._last_chosen)
         self._last_chosen[route.replica] = next(self._choices)
         if request_id is not None:
-            self._charge(request_id, route.replica)
-            self._reasons[request_id] = route.reason
+            self._charge(request_id, route)
         # one rank: when Ray's probe of the chosen replica goes unanswered it asks again instead of
         # falling through to the others
         return [[next(r for r in ordered if short_id(r) == route.replica)]]
@@ -134,11 +133,11 @@ class KVAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
         replica = str(replica_id.unique_id)
         request_id = pending_request.metadata.internal_request_id
-        reason = self._reasons.pop(request_id, "fallback")
-        if self._charged.get(request_id) != replica:
-            reason = "fallback"
-            self._charge(request_id, replica)
-        router_metrics.ROUTED.labels("kv-aware", replica, reason).inc()
+        chosen = self._charged.get(request_id)
+        if chosen is None or chosen.replica != replica:
+            chosen = Route(replica, 0, "fallback")
+            self._charge(request_id, chosen)
+        router_metrics.ROUTED.labels("kv-aware", replica, chosen.reason).inc()
         request = forwarded(pending_request)
         if request is not None and request.block_keys:
             keys = list(request.block_keys)
@@ -148,7 +147,6 @@ class KVAwareRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._charge(internal_request_id, None)
-        self._reasons.pop(internal_request_id, None)
 
 ROUTERS: dict[str, type[RequestRouter]] = {"round-robin": RoundRobinRouter, "power-of-two": PowerOfTwoRouter,
                                            "kv-aware": KVAwareRouter}
