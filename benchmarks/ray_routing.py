@@ -3,8 +3,8 @@
     python benchmarks/ray_routing.py --out docs/results/ray_routing.json
 
 Two replicas (one CPU each) of the default model behind ``kvserve serve --ray``'s ingress; for
-each router and workload, one ``kvserve bench serve`` run at one concurrency level; kv-aware
-once per pair of load bounds measured (``--request-imbalances``, ``--kv-imbalances``). The
+each router and workload, ``--repeats`` ``kvserve bench serve`` runs (seeds 0, 1, ...) at one
+concurrency level; kv-aware once per pair of load bounds in ``--bounds``. The
 cluster-wide prefix hit rate is the change in the replicas' summed ``kvserve:prefix_cache_hits``
 over ``prefix_cache_queries`` (the ingress's aggregated /metrics) across the run. The reference
 is one replica that holds everything: the same ingress, one replica with both replicas' KV
@@ -66,13 +66,13 @@ def counters(base: str) -> dict[str, float]:
     return totals
 
 
-def bench(base: str, workload: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def bench(base: str, workload: str, args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     """One bench run; its level's figures and the cluster's prefix hit rate over it."""
     time.sleep(2.5)  # replicas push their metrics each second: let the last run's settle
     before = counters(base)
     subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", base, *WORKLOADS[workload],
                     "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency), "--quiet",
-                    "--out", str(out)], check=True)
+                    "--seed", str(seed), "--out", str(out)], check=True)
     time.sleep(2.5)
     after = counters(base)
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
@@ -88,6 +88,39 @@ def bench(base: str, workload: str, args: argparse.Namespace, out: Path) -> dict
             "errors": level["errors"]}
 
 
+AVERAGED = ("prefix_hit_rate", "ttft_p50", "ttft_p99", "tpot_p50", "e2e_mean", "request_throughput",
+            "output_throughput")
+
+
+def combine(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one setup on one workload: the mean of each figure, decisions and per-replica
+    requests summed, errors summed, and every repeat kept under "each"."""
+    merged: dict[str, Any] = {key: sum(r[key] for r in each) / len(each) for key in AVERAGED}
+    routed: dict[str, int] = {}
+    for r in each:
+        for reason, count in r["routed"].items():
+            routed[reason] = routed.get(reason, 0) + count
+    merged["routed"] = routed
+    merged["per_replica"] = [sum(split) for split in zip(*(r["per_replica"] for r in each), strict=False)]
+    merged["errors"] = sum(r["errors"] for r in each)
+    merged["each"] = each
+    return merged
+
+
+def per_repeat(r: dict[str, Any], single: dict[str, Any], base: dict[str, Any]) -> str:
+    """Each repeat's share of the one-replica hit rate and req/s against round-robin, same seed."""
+    each, ones, bases = r.get("each", []), single.get("each", []), base.get("each", [])
+    if len(each) < 2:
+        return "-"
+    parts = []
+    for i, run in enumerate(each):
+        single_rate = ones[i]["prefix_hit_rate"] if i < len(ones) else 0.0
+        share = f"{run['prefix_hit_rate'] / single_rate:.0%}" if single_rate else "-"
+        ratio = f"{run['request_throughput'] / bases[i]['request_throughput']:.2f}x" if i < len(bases) else "?"
+        parts.append(f"{share} {ratio}")
+    return ", ".join(parts)
+
+
 def markdown(results: dict[str, Any]) -> str:
     """One table per workload: each setup's hit rate (and its share of the one-replica hit rate),
     TTFT, throughput against round-robin, and how it split the requests."""
@@ -95,16 +128,19 @@ def markdown(results: dict[str, Any]) -> str:
     for workload, runs in results["runs"].items():
         single = runs.get("one replica, all KV", {}).get("prefix_hit_rate") or 0.0
         base = runs.get("round-robin", {}).get("request_throughput")
-        lines += [f"**{workload}**", "",
+        repeats = max(len(r.get("each", [])) for r in runs.values())
+        lines += [f"**{workload}**" + (f" (mean of {repeats} repeats)" if repeats > 1 else ""), "",
                   "| setup | prefix hit rate | of one replica's | TTFT p50 | TTFT p99 | req/s | vs round-robin "
-                  "| requests per replica | kv-aware decisions |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| requests per replica | kv-aware decisions | each repeat: of one replica's, vs round-robin |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in runs.items():
+            each = per_repeat(r, runs.get("one replica, all KV", {}), runs.get("round-robin", {}))
             share = f"{r['prefix_hit_rate'] / single:.0%}" if single else "-"
             ratio = f"{r['request_throughput'] / base:.2f}x" if base else "-"
             decisions = ", ".join(f"{k} {v}" for k, v in sorted(r.get("routed", {}).items())) or "-"
             lines.append(f"| {name} | {r['prefix_hit_rate']:.3f} | {share} | {r['ttft_p50']:.2f} s | "
                          f"{r['ttft_p99']:.2f} s | {r['request_throughput']:.2f} | {ratio} | "
-                         f"{'/'.join(str(n) for n in r.get('per_replica', []))} | {decisions} |")
+                         f"{'/'.join(str(n) for n in r.get('per_replica', []))} | {decisions} | {each} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -115,10 +151,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--request-imbalances", default="2,4,8",
-                        help="kv-aware runs, one per --router-max-request-imbalance")
-    parser.add_argument("--kv-imbalances", default="0.3,0.1",
-                        help="kv-aware runs at the default request imbalance, one per --router-max-kv-imbalance")
+    parser.add_argument("--bounds", default="2/0.3,4/0.3,8/0.3,4/0.1",
+                        help="kv-aware runs, one per REQUESTS/KV: --router-max-request-imbalance REQUESTS "
+                             "--router-max-kv-imbalance KV")
+    parser.add_argument("--repeats", type=int, default=1, help="bench runs per setup and workload (seeds 0, 1, ...)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/ray_routing.json"))
     parser.add_argument("--report", type=Path, default=None, help="print the tables of a saved run and exit")
     args = parser.parse_args()
@@ -140,26 +176,29 @@ def main() -> None:
     per_replica = parse_size(args.kv_cache_memory, "--kv-cache-memory")
     setups: dict[str, tuple[ClusterConfig, int]] = {
         router: (ClusterConfig(num_replicas=2, router=router), per_replica) for router in ROUTERS[:2]}
-    default = ClusterConfig()
-    for requests in (float(x) for x in args.request_imbalances.split(",")):
-        for kv in (float(x) for x in args.kv_imbalances.split(",")):
-            if requests == default.max_request_imbalance or kv == default.max_kv_imbalance:
-                setups[f"kv-aware {requests:g}/{kv:g}"] = (
-                    ClusterConfig(num_replicas=2, router="kv-aware", max_request_imbalance=requests,
-                                  max_kv_imbalance=kv), per_replica)
+    for pair in args.bounds.split(","):
+        requests, kv = (float(x) for x in pair.split("/"))
+        setups[f"kv-aware {requests:g}/{kv:g}"] = (
+            ClusterConfig(num_replicas=2, router="kv-aware", max_request_imbalance=requests, max_kv_imbalance=kv),
+            per_replica)
     setups["one replica, all KV"] = (ClusterConfig(num_replicas=1, router="round-robin", cpus_per_replica=2),
                                      2 * per_replica)
     results: dict[str, Any] = {"cpu": cpu_name(), "kv_cache_memory_per_replica": args.kv_cache_memory,
-                               "num_prompts": args.num_prompts, "concurrency": args.concurrency, "runs": {}}
+                               "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+                               "repeats": args.repeats, "runs": {}}
     for name, (cluster, kv_bytes) in setups.items():
         engine = EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=kv_bytes)
         deploy(engine, ServerConfig(model_name="smollm2-135m"), cluster, "127.0.0.1", port)
         for workload in args.workloads.split(","):
-            result = bench(base, workload, args, runs_dir / name.replace(" ", "_").replace(",", "") / workload)
-            results["runs"].setdefault(workload, {})[name] = result
-            print(f"{workload:15s} {name:20s} {result['per_replica']} hit rate {result['prefix_hit_rate']:.3f}  "
-                  f"TTFT p50 {result['ttft_p50']:.3f} p99 {result['ttft_p99']:.3f} s  "
-                  f"{result['request_throughput']:.2f} req/s", flush=True)
+            each = []
+            for seed in range(args.repeats):
+                out = runs_dir / name.replace(" ", "_").replace("/", "-") / f"{workload}-{seed}"
+                result = bench(base, workload, args, seed, out)
+                each.append(result)
+                print(f"{workload:15s} {name:20s} seed {seed} {result['per_replica']} {result['routed']} hit rate "
+                      f"{result['prefix_hit_rate']:.3f}  TTFT p50 {result['ttft_p50']:.3f} "
+                      f"p99 {result['ttft_p99']:.3f} s  {result['request_throughput']:.2f} req/s", flush=True)
+            results["runs"].setdefault(workload, {})[name] = combine(each) if args.repeats > 1 else each[0]
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
         serve.delete("kvserve")

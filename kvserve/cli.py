@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.cluster.config import ROUTER_NAMES, ClusterConfig
+from kvserve.cluster.config import MAX_KV_IMBALANCE, MAX_REQUEST_IMBALANCE, ROUTER_NAMES, ClusterConfig
 from kvserve.config import KV_EVICTION, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
 from kvserve.config_file import add_config_args, check_engine_values, effective_config, file_defaults
 
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--gpus-per-replica", type=float, default=0.0, help="0 with a CUDA --device: one each")
     scale.add_argument("--max-ongoing-requests", type=int, default=320,
                        help="per replica; past it Ray routes elsewhere (default: %(default)s)")
-    scale.add_argument("--router-max-request-imbalance", type=float, default=4.0,
+    scale.add_argument("--router-max-request-imbalance", type=float, default=MAX_REQUEST_IMBALANCE,
                        help="kv-aware: requests a replica may have over the least-loaded one and still win on its "
                             "cached prefix (default: %(default)s)")
-    scale.add_argument("--router-max-kv-imbalance", type=float, default=0.3,
-                       help="kv-aware: the same bound on KV usage, a fraction (default: %(default)s)")
+    scale.add_argument("--router-max-kv-imbalance", type=float, default=MAX_KV_IMBALANCE,
+                       help="kv-aware: the same bound on KV usage, a fraction; 1 is off (default: %(default)s)")
     add_engine_args(server)
     from kvserve.bench.cli import add_bench_args, cmd_bench
     from kvserve.quant.calibrate import add_calibrate_args, cmd_calibrate

@@ -60,16 +60,21 @@ def test_choose_replica_affinity_within_load_bounds() -> None:
     assert choose_replica(index, prompt, idle, 4, 0.3) == ("a", 4, "affinity")
     # busier by 4 requests: still within the bound; by 5: balance wins
     assert choose_replica(index, prompt, {"a": Load(6), "b": Load(2)}, 4, 0.3).replica == "a"
-    assert choose_replica(index, prompt, {"a": Load(7), "b": Load(2)}, 4, 0.3) == ("b", 0, "balance")
+    assert choose_replica(index, prompt, {"a": Load(7), "b": Load(2)}, 4, 0.3) == ("b", 0, "balance-requests")
     # KV usage too
-    assert choose_replica(index, prompt, {"a": Load(0, 0.9), "b": Load(0, 0.5)}, 4, 0.3).reason == "balance"
+    assert choose_replica(index, prompt, {"a": Load(0, 0.9), "b": Load(0, 0.5)}, 4, 0.3).reason == "balance-kv"
     assert choose_replica(index, prompt, {"a": Load(0, 0.7), "b": Load(0, 0.5)}, 4, 0.3).reason == "affinity"
-    # no replica holds the prompt: the least-loaded, of equally loaded ones the one chosen least recently
+    # no replica holds the prompt: the replicas within the load bounds take turns (the one chosen
+    # least recently), not the least-loaded
     other = keys(list(range(100, 116)))
     assert choose_replica(index, other, idle, 4, 0.3, {"a": 3, "b": 2}) == ("b", 0, "spread")
     assert choose_replica(index, other, idle, 4, 0.3, {"a": 2, "b": 3}) == ("a", 0, "spread")
-    assert choose_replica(index, other, {"a": Load(0), "b": Load(3)}, 4, 0.3, {"a": 9}).replica == "a"
-    assert choose_replica(index, other, {"a": Load(1, 0.5), "b": Load(1, 0.2)}, 4, 0.3).replica == "b"
+    assert choose_replica(index, other, {"a": Load(0), "b": Load(3)}, 4, 0.3, {"a": 9}).replica == "b"
+    assert choose_replica(index, other, {"a": Load(0), "b": Load(5)}, 4, 0.3, {"a": 9}).replica == "a"
+    assert choose_replica(index, other, {"a": Load(1, 0.7), "b": Load(1, 0.2)}, 4, 0.3, {"b": 9}).replica == "b"
+    # balance goes to the least-loaded replica, ties to the one chosen least recently
+    assert choose_replica(index, prompt, {"a": Load(7), "b": Load(1), "c": Load(1)}, 4, 0.3,
+                          {"b": 5, "c": 4}) == ("c", 0, "balance-requests")
     # the longest match wins among several
     index.insert("b", prompt[:2])
     assert choose_replica(index, prompt, idle, 4, 0.3).replica == "a"

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError
 
 ROUTER_NAMES = ("kv-aware", "power-of-two", "round-robin")
+# kv-aware's load bounds, chosen in benchmarks/ray_routing.py (docs/benchmarks.md): any KV-usage
+# bound short of 1 (off) and request bounds under 8 cost prefix hits there and bought nothing
+MAX_REQUEST_IMBALANCE = 8.0
+MAX_KV_IMBALANCE = 1.0
 
 
 @dataclass(slots=True)
@@ -17,8 +21,8 @@ class ClusterConfig:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0  # 0 with a CUDA --device: one GPU each
     max_ongoing_requests: int = 320  # per replica; Ray tries another replica past it
-    max_request_imbalance: float = 4.0  # kv-aware: requests over the least-loaded replica before balance wins
-    max_kv_imbalance: float = 0.3  # kv-aware: KV usage over the least-loaded replica before balance wins
+    max_request_imbalance: float = MAX_REQUEST_IMBALANCE  # kv-aware: requests over the least-loaded one
+    max_kv_imbalance: float = MAX_KV_IMBALANCE  # kv-aware: KV usage over the least-loaded one
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:

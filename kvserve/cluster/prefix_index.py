@@ -82,7 +82,9 @@ class Load(NamedTuple):
 class Route(NamedTuple):
     replica: ReplicaKey
     matched_blocks: int
-    reason: str  # "affinity": longest cached prefix; "balance": affinity lost to load; "spread": no prefix held
+    # "affinity": longest cached prefix; "balance-requests" / "balance-kv": affinity lost to the
+    # request or the KV-usage bound; "spread": no prefix held
+    reason: str
 
 
 def choose_replica(index: PrefixIndex, keys: list[bytes], loads: dict[ReplicaKey, Load],
@@ -90,22 +92,36 @@ def choose_replica(index: PrefixIndex, keys: list[bytes], loads: dict[ReplicaKey
                    last_chosen: dict[ReplicaKey, int] | None = None) -> Route:
     """The replica with the longest expected cached prefix, unless its load exceeds the
     least-loaded replica's by more than ``max_request_imbalance`` requests or
-    ``max_kv_imbalance`` of KV usage (balance beats affinity). Without a match, or when
-    affinity loses, the least-loaded replica; among equally loaded ones, the one chosen least
-    recently (``last_chosen``: a sequence number per replica; never chosen counts as oldest), so
-    new prefixes take turns over idle replicas. ``loads`` must not be empty."""
+    ``max_kv_imbalance`` of KV usage (balance beats affinity): then the least-loaded one. Without
+    a match, the replicas within those bounds take turns: the one chosen least recently
+    (``last_chosen``: a sequence number per replica; never chosen counts as oldest). Sending such
+    requests to the least-loaded replica instead sent each replacement in a closed loop to the
+    replica whose request had just finished, so a replica's requests were prefilled together and
+    finished together (on random prompts: TTFT p50 3x round-robin's, 0.9x its throughput).
+    ``loads`` must not be empty."""
     if not loads:
         raise ValueError("no replica to choose from")
     least_requests = min(load.requests for load in loads.values())
     least_kv = min(load.kv_usage for load in loads.values())
-    lightest = min(loads.values())
-    tied = [r for r in loads if loads[r] == lightest]
-    by_load = min(tied, key=lambda r: (last_chosen or {}).get(r, -1))
+
+    def recency(replica: ReplicaKey) -> int:
+        return (last_chosen or {}).get(replica, -1)
+
+    def over(replica: ReplicaKey) -> str | None:
+        """Which bound ``replica``'s load breaks, if any."""
+        if loads[replica].requests - least_requests > max_request_imbalance:
+            return "balance-requests"
+        if loads[replica].kv_usage - least_kv > max_kv_imbalance:
+            return "balance-kv"
+        return None
+
     matches = {replica: index.matched_blocks(replica, keys) for replica in loads}
     best = max(loads, key=lambda r: (matches[r], -loads[r].requests, -loads[r].kv_usage))
-    if matches[best] == 0:
-        return Route(by_load, 0, "spread")
-    load = loads[best]
-    if load.requests - least_requests > max_request_imbalance or load.kv_usage - least_kv > max_kv_imbalance:
-        return Route(by_load, matches[by_load], "balance")
-    return Route(best, matches[best], "affinity")
+    if matches[best] == 0:  # the least-loaded replica is always within the bounds
+        return Route(min((r for r in loads if over(r) is None), key=recency), 0, "spread")
+    bound = over(best)
+    if bound is None:
+        return Route(best, matches[best], "affinity")
+    lightest = min(loads.values())
+    by_load = min((r for r in loads if loads[r] == lightest), key=recency)
+    return Route(by_load, matches[by_load], bound)

@@ -19,7 +19,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvserve.cluster import router_metrics
 from kvserve.cluster.asgi import ForwardedRequest
-from kvserve.cluster.config import ROUTER_NAMES
+from kvserve.cluster.config import MAX_KV_IMBALANCE, MAX_REQUEST_IMBALANCE, ROUTER_NAMES
 from kvserve.cluster.prefix_index import Load, PrefixIndex, Route, choose_replica
 
 
@@ -77,9 +77,11 @@ class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
 class KVAwareRouter(RequestRouter):
     """Longest expected cached prefix first (PrefixIndex over the block keys the ingress
     computed), unless that replica is busier than the least-loaded one by more than
-    ``max_request_imbalance`` requests or ``max_kv_imbalance`` KV usage."""
+    ``max_request_imbalance`` requests or ``max_kv_imbalance`` KV usage; requests with no cached
+    prefix take turns over the replicas within those bounds (see ``choose_replica``)."""
 
-    def initialize_state(self, max_request_imbalance: float = 4.0, max_kv_imbalance: float = 0.3,
+    def initialize_state(self, max_request_imbalance: float = MAX_REQUEST_IMBALANCE,
+                         max_kv_imbalance: float = MAX_KV_IMBALANCE,
                          index_capacity_blocks: int = 65536, **kwargs: Any) -> None:
         self.max_request_imbalance = max_request_imbalance
         self.max_kv_imbalance = max_kv_imbalance
