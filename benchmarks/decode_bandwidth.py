@@ -6,8 +6,9 @@ One decode step's attention for every layer of the default model's shape (30 lay
 query heads on 3 KV heads, head_dim 64), each layer's pool larger than the last-level cache, so
 every K/V byte comes from memory: the kernel's bytes of K/V (and scales) read per second, beside
 the sequential read bandwidth measured in the same run (``x.sum()`` over 512 MiB, the same
-threads). int8 and fp8 pools are counted in their own bytes (codes plus per-token value scales),
-with calibrated static key scales, as ``--kv-cache-dtype int8|fp8 --kv-scales`` runs them.
+threads). int8, int4 and fp8 pools are counted in their own bytes (codes plus per-token value
+scales; int4 also its per-block key tables), int8 and fp8 with calibrated static key scales, as
+``--kv-cache-dtype int8|fp8 --kv-scales`` runs them.
 """
 
 from __future__ import annotations
@@ -69,19 +70,27 @@ def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers:
     else:
         op = cpu_op("paged_attention_quantized")
         kind = "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
-        if kind == "int8":
-            pools = [torch.randint(-127, 128, shape, dtype=torch.int8) for _ in range(layers)]
-        else:
-            pools = [torch.randn(shape).to(torch.float8_e4m3fn).view(torch.uint8) for _ in range(layers)]
         key_scales = torch.rand(KV_HEADS, DIM) / 50 + 0.01
         value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, 1) / 50 + 0.01) if kind == "int8" else None
-        lut = fp8_table(kind) if kind != "int8" else None
+        if kind == "int8":
+            pools = [torch.randint(-127, 128, shape, dtype=torch.int8) for _ in range(layers)]
+        elif kind == "int4":  # two codes a byte; (step, minimum) per channel of a block's keys, per value group
+            pools = [torch.randint(0, 256, (*shape[:3], DIM // 2), dtype=torch.uint8) for _ in range(layers)]
+            key_scales = (torch.rand(num_blocks, KV_HEADS, 2, DIM) / 50 + 0.01).half()
+            value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, DIM // 32, 2) / 50 + 0.01).half()
+        else:
+            pools = [torch.randn(shape).to(torch.float8_e4m3fn).view(torch.uint8) for _ in range(layers)]
+        lut = fp8_table(kind) if kind.startswith("fp8") else None
 
         def layer(i: int) -> None:
             assert op(out, q, pools[i], KIND_CODES[kind], key_scales, value_scales, 0.02, lut, None, None, tables,
                       lens, 1, DIM**-0.5)
     seconds = best_of(lambda: [layer(i) for i in range(layers)], 3 if layers > 1 else 200) / layers
-    token_bytes = 2 * KV_HEADS * DIM * pools[0].element_size() + (KV_HEADS * 4 if value_scales is not None else 0)
+    token_bytes = 2 * KV_HEADS * pools[0].shape[-1] * pools[0].element_size()
+    if value_scales is not None:  # per token; int4's key tables are per block
+        token_bytes += KV_HEADS * value_scales[0, 0, 0].numel() * value_scales.element_size()
+    if kv_dtype == "int4":
+        token_bytes += KV_HEADS * 2 * DIM * 2 / block_size
     return {"ms_per_layer": 1e3 * seconds, "ns_per_token": 1e9 * seconds / (batch * length),
             "kv_bytes": batch * length * token_bytes,
             "gbps": batch * length * token_bytes / seconds / 1e9}
@@ -89,7 +98,7 @@ def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-dtypes", default="bf16,int8,fp8")
+    parser.add_argument("--kv-dtypes", default="bf16,int8,int4,fp8")
     parser.add_argument("--block-sizes", default="16,32,64,128")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=2048)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import load_model
@@ -44,22 +45,42 @@ def run_load(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, A
             "preemptions": stats.num_preemptions, "num_blocks": stats.num_blocks}
 
 
-def decode_step_ms(llm: LLM, batch: int, context: int, steps: int) -> float:
-    """Mean wall time of a decode step with ``batch`` sequences at ~``context`` tokens."""
+ATTENTION_EVENTS = ("kvserve::paged_decode_attention", "kvserve::paged_attention_quantized")
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, profiled: int = 0) -> dict[str, float]:
+    """Prefill ``batch`` sequences of ``context`` tokens, then time decode steps with all of them
+    running: the median step (ms) and, over ``profiled`` further steps under torch's profiler, the
+    attention kernels' mean time per step (ms). Every request may generate more tokens than the
+    steps prefill and measurement take (sequences prefilled first decode while the rest prefill),
+    so none finishes before it is measured; they are aborted afterwards."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    for prompt in workload(7, batch, context):
-        engine.add_request(prompt, params)
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + profiled + 8, ignore_eos=True)
+    ids = [engine.add_request(prompt, params).request_id for prompt in workload(7, batch, context)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
+    assert len(engine.requests) == batch, "a request finished before the decode steps were measured"
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1000 * statistics.median(times)
+    attention_us = 0.0
+    if profiled:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(profiled):
+                engine.step()
+        attention_us = sum(e.cpu_time_total for e in prof.key_averages() if e.key in ATTENTION_EVENTS) / profiled
+    assert len(engine.requests) == batch, "a request finished during the measured decode steps"
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return {"step_ms": 1000 * statistics.median(times), "attention_ms": attention_us / 1000}
+
+
+def decode_step_ms(llm: LLM, batch: int, context: int, steps: int) -> float:
+    """Median wall time (ms) of a decode step with ``batch`` sequences at ~``context`` tokens."""
+    return decode_steps(llm, batch, context, steps)["step_ms"]
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
+from kvserve.cache.kv_quant import KIND_CODES
 from kvserve.model.attention import (
     PREFILL_TILE,
     AttentionGroup,
@@ -92,6 +93,7 @@ def test_bf16_decode_kernel_is_float32_attention_over_the_bf16_values(block_size
         query = (3 * torch.randn(batch, heads, dim)).to(torch.bfloat16)  # peaked softmaxes too
         out = torch.empty_like(query)
         kernel = cpu_op("paged_decode_attention")
+        assert kernel is not None
         kernel(out, query, cache, tables, lens, dim**-0.5)
     finally:
         torch.set_num_threads(threads)
@@ -103,6 +105,77 @@ def test_bf16_decode_kernel_is_float32_attention_over_the_bf16_values(block_size
         weights = torch.softmax(query[b].float()[:, None, :] @ k.transpose(1, 2) * dim**-0.5, dim=-1)
         expected = (weights @ v)[:, 0].to(torch.bfloat16)
         torch.testing.assert_close(out[b].float(), expected.float(), atol=8e-3, rtol=8e-3)
+
+
+def _integer_pool(kind: str, num_blocks: int, kv_heads: int, block_size: int, dim: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A random int8 or int4 pool and its scales in the kernel's layout, and the float32 K/V they
+    stand for, [num_blocks, 2 * kv_heads, block_size, dim]. "int8": codes times per-channel key
+    scales of each block and per-token value scales; "int8-static": one key scale table, one
+    v_scale (0.02); "int4": codes 0-15 two per byte, keys code * step + min per channel of each
+    block, values per token and group of 32 channels."""
+    if kind == "int4":
+        codes = torch.randint(0, 16, (num_blocks, 2 * kv_heads, block_size, dim))
+        packed = (codes[..., : dim // 2] | (codes[..., dim // 2 :] << 4)).to(torch.uint8)
+        key_affine = torch.stack([0.01 + 0.05 * torch.rand(num_blocks, kv_heads, dim),
+                                  torch.randn(num_blocks, kv_heads, dim) * 0.3], 2).half()
+        value_affine = torch.stack([0.01 + 0.05 * torch.rand(num_blocks, kv_heads, block_size, dim // 32),
+                                    torch.randn(num_blocks, kv_heads, block_size, dim // 32) * 0.3], 4).half()
+        step, low = key_affine.float().unbind(2)
+        k = codes[:, :kv_heads] * step[:, :, None, :] + low[:, :, None, :]
+        v_step, v_low = value_affine.float().repeat_interleave(32, 3).unbind(4)
+        v = codes[:, kv_heads:] * v_step + v_low
+        return packed, key_affine, value_affine, torch.cat([k, v], 1)
+    codes = torch.randint(-127, 128, (num_blocks, 2 * kv_heads, block_size, dim), dtype=torch.int8)
+    if kind == "int8-static":
+        key_scales = 0.005 + 0.03 * torch.rand(kv_heads, dim)
+        return codes, key_scales, None, torch.cat([codes[:, :kv_heads] * key_scales[:, None, :],
+                                                   codes[:, kv_heads:] * 0.02], 1)
+    key_scales = 0.005 + 0.03 * torch.rand(num_blocks, kv_heads, dim)
+    value_scales = 0.005 + 0.03 * torch.rand(num_blocks, kv_heads, block_size, 1)
+    return codes, key_scales, value_scales, torch.cat([codes[:, :kv_heads] * key_scales[:, :, None, :],
+                                                       codes[:, kv_heads:] * value_scales], 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (7, 1, 64), (10, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("kind", ["int8-static", "int8", "int4"])
+def test_integer_decode_kernel_is_float32_attention_over_the_dequantized_pool(block_size: int, heads: int,
+                                                                              kv_heads: int, dim: int,
+                                                                              kind: str) -> None:
+    """int8 and int4 pools (integer dot products on VNNI CPUs): float32 attention over the values
+    the codes and scales stand for; where scales are per block, each sequence's partial last block
+    is read from its full-precision tail slot."""
+    torch.manual_seed(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lens = torch.tensor([1, 15, 16, 17, 100, 300])
+    batch, group, width = len(lens), heads // kv_heads, int((lens.max() + block_size - 1) // block_size)
+    data, key_scales, value_scales, kv_pool = _integer_pool(kind, batch * width + 1, kv_heads, block_size, dim)
+    tables = (torch.randperm(batch * width) + 1).view(batch, width)
+    with_tail = kind != "int8-static"
+    tail = torch.randn(batch, block_size, 2 * kv_heads, dim) if with_tail else None
+    tail_slots = torch.randperm(batch) if with_tail else None
+    query = 2 * torch.randn(batch, heads, dim)
+    out = torch.empty_like(query)
+    try:
+        kernel = cpu_op("paged_attention_quantized")
+        assert kernel is not None
+        assert kernel(out, query, data, KIND_CODES[kind.split("-")[0]], key_scales, value_scales, 0.02, None, tail,
+                      tail_slots, tables, lens, 1, dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    for b in range(batch):
+        kv = kv_pool[tables[b]].clone()  # [width, 2*kv_heads, block, dim]
+        length, partial = int(lens[b]), int(lens[b]) % block_size
+        if tail is not None and tail_slots is not None and partial:
+            kv[length // block_size, :, :partial] = tail[tail_slots[b], :partial].transpose(0, 1)
+        kv = kv.permute(1, 0, 2, 3).reshape(2 * kv_heads, -1, dim)[:, :length]
+        keys, values = kv[:kv_heads].repeat_interleave(group, 0), kv[kv_heads:].repeat_interleave(group, 0)
+        weights = torch.softmax(query[b][:, None, :] @ keys.transpose(1, 2) * dim**-0.5, dim=-1)
+        # VNNI rounds the query and the weights to int16 (2^-16 of their largest): ~1e-4 of the values' range
+        torch.testing.assert_close(out[b], (weights @ values)[:, 0], atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")

@@ -2,13 +2,15 @@
 // paged_decode_attention: reads each sequence's K/V straight from the block pool through its
 // block table (no gathered copy), one query token per sequence, GQA, two-pass softmax in
 // float32 (scores for the whole sequence, then values). Parallel over (sequence, KV head).
-// bf16 pools where the CPU has AVX512-BF16: key dot products in vdpbf16ps (see decode_job_bf16).
+// bf16 pools where the CPU has AVX512-BF16: key dot products in vdpbf16ps (see decode_job_bf16);
+// int8/int4 pools where it has AVX512-VNNI: keys and values in int16 dot products (see decode_int_vnni).
 // rope_and_write_kv: rotary on the fused qkv in place, then each token's K/V into its slot.
 // add_rms_norm / silu_and_mul: residual add + RMSNorm and SwiGLU's gate, one pass each instead
 // of several torch ops (each a dispatch and a trip through memory), float32 inside.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -198,7 +200,6 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * dim + 16 * i, reg[g][i]);
 }
 
-#if defined(__AVX512BF16__)
 // out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: 45 shuffles and adds instead of
 // 16 horizontal reductions of ~8 each.
 static inline __m512 lane_sums16(const __m512 (&v)[16]) {
@@ -212,6 +213,25 @@ static inline __m512 lane_sums16(const __m512 (&v)[16]) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
+
+// make(std::integral_constant<int, G>{}) for the run-time group size G (query heads per KV head),
+// 1-8, the sizes compiled; nullptr for any other.
+template <typename Make>
+static auto by_group(int64_t group, const Make& make) -> decltype(make(std::integral_constant<int, 1>{})) {
+  switch (group) {
+    case 1: return make(std::integral_constant<int, 1>{});
+    case 2: return make(std::integral_constant<int, 2>{});
+    case 3: return make(std::integral_constant<int, 3>{});
+    case 4: return make(std::integral_constant<int, 4>{});
+    case 5: return make(std::integral_constant<int, 5>{});
+    case 6: return make(std::integral_constant<int, 6>{});
+    case 7: return make(std::integral_constant<int, 7>{});
+    case 8: return make(std::integral_constant<int, 8>{});
+    default: return nullptr;
+  }
+}
+
+#if defined(__AVX512BF16__)
 
 // The bf16 pool's job with AVX512-BF16 dot products, for head_dim = 32 * NB: a key row is NB
 // loads and NB vdpbf16ps per query head (no widening), and 16 rows' scores are reduced together.
@@ -293,17 +313,7 @@ using Bf16Job = void (*)(const float*, const c10::BFloat16*, const int64_t*, int
 
 template <int NB>
 static Bf16Job bf16_group(int64_t group) {
-  switch (group) {
-    case 1: return decode_job_bf16<NB, 1>;
-    case 2: return decode_job_bf16<NB, 2>;
-    case 3: return decode_job_bf16<NB, 3>;
-    case 4: return decode_job_bf16<NB, 4>;
-    case 5: return decode_job_bf16<NB, 5>;
-    case 6: return decode_job_bf16<NB, 6>;
-    case 7: return decode_job_bf16<NB, 7>;
-    case 8: return decode_job_bf16<NB, 8>;
-    default: return nullptr;
-  }
+  return by_group(group, [](auto g) -> Bf16Job { return decode_job_bf16<NB, decltype(g)::value>; });
 }
 
 static Bf16Job bf16_job(int64_t dim, int64_t group) {
@@ -320,17 +330,7 @@ using DecodeJob = void (*)(const float*, const T*, const int64_t*, int64_t, int6
 
 template <typename T, int NV>
 static DecodeJob<T> pick_group(int64_t group) {
-  switch (group) {
-    case 1: return decode_job_avx512<T, NV, 1>;
-    case 2: return decode_job_avx512<T, NV, 2>;
-    case 3: return decode_job_avx512<T, NV, 3>;
-    case 4: return decode_job_avx512<T, NV, 4>;
-    case 5: return decode_job_avx512<T, NV, 5>;
-    case 6: return decode_job_avx512<T, NV, 6>;
-    case 7: return decode_job_avx512<T, NV, 7>;
-    case 8: return decode_job_avx512<T, NV, 8>;
-    default: return nullptr;
-  }
+  return by_group(group, [](auto g) -> DecodeJob<T> { return decode_job_avx512<T, NV, decltype(g)::value>; });
 }
 
 template <typename T>
@@ -881,6 +881,20 @@ static inline void load_codes(const uint8_t* row, __m512 (&out)[NV]) {
 template <int KIND>
 static constexpr float kFp8Unit = KIND == kE4M3 ? 256.f : 1.f;  // what load_codes' values must be scaled by
 
+// Block blk's rows of head j through a float32 tile (float kinds of another dtype, a tail block
+// kept in full precision): keys (j < kv_heads) scored against reg, or values added into reg.
+template <int NV, int G>
+static void tile_rows(const QuantPool& pool, const int64_t* table, int64_t blk, int64_t len, int64_t tail_slot,
+                      int64_t j, __m512 (&reg)[G][NV], float* probs, float* tile) {
+  const int64_t n = pool.tile(table, blk, len, tail_slot, j, tile), first = blk * pool.block_size;
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 row[NV];
+    for (int i = 0; i < NV; ++i) row[i] = _mm512_loadu_ps(tile + (t * NV + i) * 16);
+    if (j < pool.kv_heads) score_row<NV, G>(reg, row, probs, len, first + t);
+    else accumulate_row<NV, G>(reg, row, probs, len, first + t);
+  }
+}
+
 template <int KIND, int NV, int G>
 static void decode_quant_avx512(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
@@ -905,12 +919,7 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * bs, n = std::min(bs, len - first);
     if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || tail_block(blk)) {
-      pool.tile(table, blk, len, tail_slot, h, tile);
-      for (int64_t t = 0; t < n; ++t) {
-        __m512 k[NV];
-        for (int i = 0; i < NV; ++i) k[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
-        score_row<NV, G>(q, k, probs, len, first + t);
-      }
+      tile_rows<NV, G>(pool, table, blk, len, tail_slot, h, q, probs, tile);
       continue;
     }
     const int64_t block = table[blk];
@@ -945,12 +954,7 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * bs, n = std::min(bs, len - first);
     if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || tail_block(blk)) {
-      pool.tile(table, blk, len, tail_slot, kv_heads + h, tile);
-      for (int64_t t = 0; t < n; ++t) {
-        __m512 v[NV];
-        for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(tile + t * dim + 16 * i);
-        accumulate_row<NV, G>(a, v, probs, len, first + t);
-      }
+      tile_rows<NV, G>(pool, table, blk, len, tail_slot, kv_heads + h, a, probs, tile);
       continue;
     }
     const int64_t block = table[blk];
@@ -986,24 +990,218 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
 using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_t, int64_t, int64_t, float*, float*,
                           float*);
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int8 and int4 pools on CPUs with AVX512-VNNI: the dot products in integers, 32 products per
+// vpdpwssd. Keys: the query times the keys' per-channel scales (int4: the block's steps, its
+// minimums adding q·min to the block's scores) is rounded to int16 in units of its largest
+// element / 32767 (an error 2^-16 of it, far below the codes' own rounding), each key row widened
+// to int16, and 16 rows' sums reduced together. Values: each block's probabilities times the
+// values' scales (per token; int4: per token and group of 32 channels) are rounded to int16 in
+// units of the block's largest / 32767, and two tokens' rows interleaved, so one vpdpwssd adds both
+// to 16 dims. int32 sums are exact (a block of 256 tokens stays below 2^30); each block's are
+// scaled back into float32.
+template <int KIND, int NB>
+static inline void widen_codes(const uint8_t* row, __m512i (&out)[NB]) {
+  if constexpr (KIND == kI8) {
+    for (int j = 0; j < NB; ++j)
+      out[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * j)));
+  } else {  // int4: channel d in byte d's low nibble, channel d + dim/2 in its high one
+    for (int j = 0; j < NB / 2; ++j) {
+      const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * j)));
+      out[j] = _mm512_and_si512(both, _mm512_set1_epi16(15));
+      out[j + NB / 2] = _mm512_srli_epi16(both, 4);
+    }
+  }
+}
+
+// x[0, 16 * n) in int16 units of max|x| / 32767 (returned), 32 per vector, in order; n even.
+static inline float round_to_int16(const float* x, int64_t n, __m512i* out) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)));
+  const float largest = _mm512_reduce_max_ps(top);
+  const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 32767.f / largest : 0.f);
+  auto narrow = [&](int64_t i) {  // saturating: a value rounding to 32768 stays 32767
+    return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inverse)));
+  };
+  for (int64_t i = 0; i < n; i += 2) out[i / 2] = _mm512_inserti64x4(_mm512_castsi256_si512(narrow(i)), narrow(i + 1), 1);
+  return largest / 32767.f;
+}
+
+template <int KIND, int NB, int G>
+static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
+                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
+  constexpr int64_t dim = NB * 32;
+  constexpr int NV = 2 * NB;
+  const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs, kv_heads = pool.kv_heads;
+  const int64_t rb = pool.row_bytes, tile_bytes = bs * rb, groups = pool.groups, chunks_per_group = NB / groups;
+  // blocks read as codes; a partial last block kept in full precision goes through a float tile
+  const int64_t coded = pool.tail != nullptr && len % bs != 0 ? num_blocks - 1 : num_blocks;
+  __m512 q[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) q[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
+  __m512i qa[G][NB];
+  float unit[G], bias[G] = {};
+  auto round_query = [&](const float* key_scale) {  // qa = q * key_scale in int16
+    float scaled[dim];
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < NV; ++i)
+        _mm512_storeu_ps(scaled + 16 * i, _mm512_mul_ps(q[g][i], _mm512_loadu_ps(key_scale + 16 * i)));
+      unit[g] = round_to_int16(scaled, NV, qa[g]);
+    }
+  };
+  if (KIND == kI8 && !pool.key_per_block) round_query(pool.key_scales + h * dim);
+  const uint8_t* head_keys = pool.data + h * tile_bytes;
+  const uint8_t* head_values = pool.data + (kv_heads + h) * tile_bytes;
+  for (int64_t blk = 0; blk < coded; ++blk) {
+    const int64_t block = table[blk], first = blk * bs, n = std::min(bs, len - first);
+    if constexpr (KIND == kI4) {  // q·(step*code + min) = (q*step)·code + q·min
+      float step[dim], low[dim];
+      const c10::Half* affine = pool.key_affine + (block * kv_heads + h) * 2 * dim;
+      to_float(affine, step, dim);
+      to_float(affine + dim, low, dim);
+      round_query(step);
+      for (int g = 0; g < G; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int i = 0; i < NV; ++i) s = _mm512_fmadd_ps(q[g][i], _mm512_loadu_ps(low + 16 * i), s);
+        bias[g] = _mm512_reduce_add_ps(s);
+      }
+    } else if (pool.key_per_block) {
+      round_query(pool.key_scales + (block * kv_heads + h) * dim);
+    }
+    // blocks are scattered: fetch the next key tile ahead, and this value tile for the value pass
+    if (blk + 1 < coded) prefetch_row(head_keys + table[blk + 1] * pool.block_bytes(), tile_bytes);
+    prefetch_row(head_values + block * pool.block_bytes(), tile_bytes);
+    const uint8_t* rows = head_keys + block * pool.block_bytes();
+    for (int64_t r0 = 0; r0 < n; r0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, n - r0));
+      __m512 part[G][16];
+      for (int r = 0; r < 16; ++r) {
+        if (r >= m) {
+          for (int g = 0; g < G; ++g) part[g][r] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512i k[NB];
+        widen_codes<KIND, NB>(rows + (r0 + r) * rb, k);
+        for (int g = 0; g < G; ++g) {
+          __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qa[g][0], k[0]);
+          for (int j = 1; j < NB; ++j) sum = _mm512_dpwssd_epi32(sum, qa[g][j], k[j]);
+          part[g][r] = _mm512_cvtepi32_ps(sum);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm512_mask_storeu_ps(probs + g * len + first + r0, tail_mask(m),
+                              _mm512_fmadd_ps(lane_sums16(part[g]), _mm512_set1_ps(unit[g]), _mm512_set1_ps(bias[g])));
+    }
+  }
+  if (coded < num_blocks) tile_rows<NV, G>(pool, table, coded, len, tail_slot, h, q, probs, tile);
+  softmax_rows(probs, G, len);
+  // accumulators in the interleaved order: a[g][2j] holds dims 32j + 8L + i, a[g][2j + 1] dims
+  // 32j + 8L + 4 + i, for 128-bit lane L and i < 4
+  __m512 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_setzero_ps();
+  constexpr int kMaxGroups = KIND == kI4 ? NB : 1;
+  alignas(64) int16_t weights[G][kMaxGroups][256];
+  float step[kMaxGroups][256], low[kMaxGroups][256];  // int4: each token's value affine, by group
+  for (int64_t blk = 0; blk < coded; ++blk) {
+    const int64_t block = table[blk], first = blk * bs, n = std::min(bs, len - first);
+    const int64_t token0 = (block * kv_heads + h) * bs;
+    if constexpr (KIND == kI4) {
+      const c10::Half* affine = pool.value_affine + token0 * groups * 2;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < groups; ++c) {
+          step[c][t] = static_cast<float>(affine[(t * groups + c) * 2]);
+          low[c][t] = static_cast<float>(affine[(t * groups + c) * 2 + 1]);
+        }
+    }
+    float wunit[G][kMaxGroups], offset[G][kMaxGroups];
+    for (int g = 0; g < G; ++g)
+      for (int64_t c = 0; c < (KIND == kI4 ? groups : 1); ++c) {
+        float w[256];  // p * scale; zeros past n up to the next 16
+        __m512 top = _mm512_setzero_ps(), shift = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 live = tail_mask(n - t);
+          const __m512 p = _mm512_maskz_loadu_ps(live, probs + g * len + first + t);
+          __m512 scale;
+          if constexpr (KIND == kI4) {
+            scale = _mm512_maskz_loadu_ps(live, step[c] + t);
+            shift = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(live, low[c] + t), shift);
+          } else {
+            scale = pool.value_scales == nullptr ? _mm512_set1_ps(pool.v_scale)
+                                                 : _mm512_maskz_loadu_ps(live, pool.value_scales + token0 + t);
+          }
+          const __m512 weight = _mm512_maskz_mul_ps(live, p, scale);
+          top = _mm512_max_ps(top, _mm512_abs_ps(weight));
+          _mm512_storeu_ps(w + t, weight);
+        }
+        offset[g][c] = _mm512_reduce_add_ps(shift);  // int4: sum of p * min, the same for the group's dims
+        const float largest = _mm512_reduce_max_ps(top);
+        const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 32767.f / largest : 0.f);
+        for (int64_t t = 0; t < n; t += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights[g][c] + t),
+                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + t), inverse))));
+        wunit[g][c] = largest / 32767.f;
+      }
+    __m512i sums[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV; ++i) sums[g][i] = _mm512_setzero_si512();
+    const uint8_t* rows = head_values + block * pool.block_bytes();
+    for (int64_t t = 0; t < n; t += 2) {
+      __m512i first_row[NB], second_row[NB], lo[NB], hi[NB];
+      widen_codes<KIND, NB>(rows + t * rb, first_row);
+      if (t + 1 < n) widen_codes<KIND, NB>(rows + (t + 1) * rb, second_row);
+      else
+        for (int j = 0; j < NB; ++j) second_row[j] = _mm512_setzero_si512();
+      for (int j = 0; j < NB; ++j) {
+        lo[j] = _mm512_unpacklo_epi16(first_row[j], second_row[j]);
+        hi[j] = _mm512_unpackhi_epi16(first_row[j], second_row[j]);
+      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < NB; ++j) {
+          int32_t both;  // tokens t and t + 1's weights for chunk j's group (a zero past n)
+          std::memcpy(&both, weights[g][KIND == kI4 ? j / chunks_per_group : 0] + t, sizeof(both));
+          const __m512i w = _mm512_set1_epi32(both);
+          sums[g][2 * j] = _mm512_dpwssd_epi32(sums[g][2 * j], lo[j], w);
+          sums[g][2 * j + 1] = _mm512_dpwssd_epi32(sums[g][2 * j + 1], hi[j], w);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV; ++i) {
+        const int64_t c = KIND == kI4 ? i / 2 / chunks_per_group : 0;
+        a[g][i] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][i]), _mm512_set1_ps(wunit[g][c]), a[g][i]),
+                                _mm512_set1_ps(KIND == kI4 ? offset[g][c] : 0.f));
+      }
+  }
+  alignas(64) static const int32_t low_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t high_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i to_low = _mm512_load_si512(low_dims), to_high = _mm512_load_si512(high_dims);
+  __m512 ordered[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) {
+      ordered[g][2 * j] = _mm512_permutex2var_ps(a[g][2 * j], to_low, a[g][2 * j + 1]);
+      ordered[g][2 * j + 1] = _mm512_permutex2var_ps(a[g][2 * j], to_high, a[g][2 * j + 1]);
+    }
+  if (coded < num_blocks) tile_rows<NV, G>(pool, table, coded, len, tail_slot, kv_heads + h, ordered, probs, tile);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * dim + 16 * i, ordered[g][i]);
+}
+#endif
+
 template <int KIND, int NV>
 static QuantJob pick_quant_group(int64_t group) {
-  switch (group) {
-    case 1: return decode_quant_avx512<KIND, NV, 1>;
-    case 2: return decode_quant_avx512<KIND, NV, 2>;
-    case 3: return decode_quant_avx512<KIND, NV, 3>;
-    case 4: return decode_quant_avx512<KIND, NV, 4>;
-    case 6: return decode_quant_avx512<KIND, NV, 6>;
-    case 8: return decode_quant_avx512<KIND, NV, 8>;
-    default: return nullptr;
-  }
+  return by_group(group, [](auto g) -> QuantJob { return decode_quant_avx512<KIND, NV, decltype(g)::value>; });
 }
 
 template <int NV>
 static QuantJob pick_quant_kind(int64_t kind, int64_t group) {
   switch (kind) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case kI8: return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI8, NV / 2, decltype(g)::value>; });
+    case kI4: return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI4, NV / 2, decltype(g)::value>; });
+#else
     case kI8: return pick_quant_group<kI8, NV>(group);
     case kI4: return pick_quant_group<kI4, NV>(group);
+#endif
     case kE4M3: return pick_quant_group<kE4M3, NV>(group);
     case kE5M2: return pick_quant_group<kE5M2, NV>(group);
     default: return pick_quant_group<kF32, NV>(group);  // any float kind: through float tiles

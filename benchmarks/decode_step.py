@@ -1,0 +1,79 @@
+"""The decode step per KV dtype at long context and high concurrency (issue 19, target 2).
+
+    python benchmarks/decode_step.py --kv-scales docs/results/smollm2_kv_scales.json \\
+        --out docs/results/decode_step_32x4096.json
+
+One engine per KV dtype (bf16 model, 2 threads, prefix caching off, memory for every sequence):
+``--batch`` sequences of ``--context`` random prompt tokens are prefilled, then the median wall
+time of ``--steps`` decode steps is taken, and, over a few more steps under torch's profiler, the
+time spent in the attention kernels, so the rest of the step (linear layers, norms, sampling)
+shows beside it. The dtypes run in turn, ``--rounds`` times, and each reports its median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kv_quant_throughput import decode_steps
+from workloads import cpu_name
+
+from kvserve import LLM
+from kvserve.engine.engine import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-cache-dtype", default="auto,fp8_e4m3,int8,int4")
+    parser.add_argument("--kv-scales", default=None, help="calibration file (static int8 key scales)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    dtypes = args.kv_cache_dtype.split(",")
+    runs: dict[str, list[dict[str, float]]] = {d: [] for d in dtypes}
+    bytes_per_token: dict[str, int] = {}
+    for _ in range(args.rounds):
+        for kv_dtype in dtypes:
+            kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
+            memory = 5 * 23040 * args.batch * (args.context + args.steps + 64) // 4  # 16-bit KV for all, + 25%
+            llm = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory, enable_prefix_caching=False,
+                      max_num_seqs=args.batch, max_num_batched_tokens=2048, **kwargs)
+            bytes_per_token[kv_dtype] = llm.engine.kv_bytes_per_token
+            runs[kv_dtype].append(decode_steps(llm, args.batch, args.context, args.steps, profiled=3))
+            print(kv_dtype, runs[kv_dtype][-1], flush=True)
+            del llm
+            gc.collect()
+    rows = []
+    for kv_dtype in dtypes:
+        step = statistics.median(r["step_ms"] for r in runs[kv_dtype])
+        attention = statistics.median(r["attention_ms"] for r in runs[kv_dtype])
+        rows.append({"kv_cache_dtype": kv_dtype, "kv_bytes_per_token": bytes_per_token[kv_dtype], "step_ms": step,
+                     "attention_ms": attention, "rounds": runs[kv_dtype]})
+    base = rows[0]
+    print(f"\n| KV dtype | B/token | step (ms) | vs {base['kv_cache_dtype']} | attention (ms) | rest (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kv_cache_dtype']} | {r['kv_bytes_per_token']} | {r['step_ms']:.1f} | "
+              f"{r['step_ms'] / base['step_ms']:.2f}x | {r['attention_ms']:.1f} | "
+              f"{r['step_ms'] - r['attention_ms']:.1f} |")
+    if args.out:
+        args.out.write_text(json.dumps({"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()},
+                                        "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
