@@ -93,7 +93,7 @@ class KVAwareRouter(RequestRouter):
         self._charged: dict[str, Route] = {}
         self._load: dict[str, int] = {}
         self._choices = itertools.count()
-        self._last_chosen: dict[str, int] = {}  # ties go to the replica chosen least recently
+        self._last_chosen: dict[str, int] = {}  # unmatched requests and ties take the one chosen least recently
 
     def _charge(self, request_id: str, route: Route | None) -> None:
         """Count ``request_id`` against ``route``'s replica (None: against none any more)."""
