@@ -28,10 +28,11 @@ from kvserve.engine.engine import load_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def run_kvserve(work: Workload, dtype: str, repeats: int, block_size: int) -> dict[str, Any]:
-    loaded = load_model("smollm2-135m", torch.device("cpu"), DTYPES[dtype])
+def run_kvserve(work: Workload, dtype: str, repeats: int, block_size: int,
+                quantization: str | None = None) -> dict[str, Any]:
+    loaded = load_model("smollm2-135m", torch.device("cpu"), DTYPES[dtype], quantization)
     llm = LLM(loaded=loaded, block_size=block_size, kv_cache_memory="6GiB", max_num_seqs=64,
-              max_num_batched_tokens=2048, max_model_len=2048)
+              max_num_batched_tokens=2048, max_model_len=2048, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     llm.generate(work.prompts[:2], params[:2])  # warm-up
     times = []
@@ -40,7 +41,8 @@ def run_kvserve(work: Workload, dtype: str, repeats: int, block_size: int) -> di
         outs = llm.generate(work.prompts, params)
         times.append(time.perf_counter() - t)
         assert sum(len(o.token_ids) for o in outs) == work.output_tokens
-    return {"engine": "kvserve", "dtype": dtype, "workload": work.name, "times": times,
+    return {"engine": "kvserve" + (f"-{quantization}" if quantization else ""), "dtype": dtype,
+            "workload": work.name, "times": times,
             "output_tokens": work.output_tokens, "preemptions": llm.kv_stats().num_preemptions}
 
 
@@ -131,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="uniform,mixed")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--engines", default="kvserve,hf")
+    parser.add_argument("--engines", default="kvserve,hf", help="kvserve, kvserve-int8 (--quantization int8), hf")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-repeats", type=int, default=None, help="repeats for HF (default: --repeats)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -153,8 +155,9 @@ def main() -> None:
                 if engine == "vllm" and dtype not in args.vllm_dtypes.split(","):
                     continue
                 print(f"[{name} {dtype} {engine}] ...", flush=True)
-                if engine == "kvserve":
-                    r = run_kvserve(work, dtype, args.repeats, args.block_size)
+                if engine.startswith("kvserve"):  # kvserve, or kvserve-int8: --quantization int8
+                    quantization = engine.removeprefix("kvserve").removeprefix("-") or None
+                    r = run_kvserve(work, dtype, args.repeats, args.block_size, quantization)
                 elif engine == "hf":
                     r = run_hf(work, dtype, args.hf_repeats or args.repeats)
                 else:

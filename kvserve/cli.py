@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.cluster.config import MAX_KV_IMBALANCE, MAX_REQUEST_IMBALANCE, ROUTER_NAMES, ClusterConfig
-from kvserve.config import KV_EVICTION, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, read_jsonl_prompts
+from kvserve.config import (
+    KV_EVICTION,
+    PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    ConfigError,
+    read_jsonl_prompts,
+)
 from kvserve.config_file import add_config_args, check_engine_values, effective_config, file_defaults
 
 
@@ -25,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF folder (default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="int8: linear layers in int8 (weights per output channel, activations per token at run "
+                        "time, int32 sums; VNNI dot products on CPU); default: the model dtype")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block, power of two 1..256")
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (overrides utilization)")
@@ -80,7 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+        "dtype": args.dtype, "quantization": args.quantization, "device": args.device,
+        "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory, "kv_offload_memory": args.kv_offload_memory,
         "kv_offload_disk": args.kv_offload_disk, "kv_offload_disk_size": args.kv_offload_disk_size,
         "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -28,6 +28,7 @@ _UNITS = {
     "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("int8",)  # weights (kvserve.model.int8_linear); vLLM's --quantization
 KV_KEY_SCALES = ("auto", "static", "block", "global")
 
 
@@ -175,6 +176,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: str = "auto"
+    quantization: str | None = None  # int8: W8A8 linear layers (int8 weights per channel, activations per token)
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
@@ -220,6 +222,9 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two in 1..256, got {self.block_size!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
+                              f"got {self.quantization!r}")
         try:
             normalize_kv_dtype(self.kv_cache_dtype, "fp32")
         except ValueError as exc:

@@ -86,6 +86,8 @@ def test_cli_errors_name_the_value(tiny_model_factory: Callable[..., Path]) -> N
     assert r.returncode == 2 and "'/no/such/model'" in r.stderr
     r = _cli("generate", "hi", "--kv-cache-memory", "plenty")
     assert r.returncode == 2 and "'plenty'" in r.stderr
+    r = _cli("generate", "hi", "--quantization", "fp4")
+    assert r.returncode == 2 and "invalid choice: 'fp4'" in r.stderr
     r = _cli("generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -2}')
     assert r.returncode == 2 and "num_speculative_tokens must be an integer >= 1, got -2" in r.stderr
     r = _cli("generate", "hi", "--speculative-config", "{method: ngram}")

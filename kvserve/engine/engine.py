@@ -46,6 +46,7 @@ from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.engine.snapkv import snapkv_keep
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
+from kvserve.model.int8_linear import quantize_linears, quantized_bytes
 from kvserve.model.llama import LlamaForCausalLM, apply_rope, pack_linears_for_cpu, rope_at, rope_inv_freq
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 
@@ -63,9 +64,13 @@ class LoadedModel(NamedTuple):
     tokenizer: Any | None
     weight_bytes: int
     fingerprint: str  # see kvserve.cache.kv_scales.model_fingerprint
+    quantization: str | None = None  # the linear layers' (int8_linear), None: the model dtype
 
 
-def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LoadedModel:
+    """The model's weights in ``dtype`` on ``device``; with ``quantization`` ("int8") the decoder
+    layers' linear layers become Int8Linear (the LM head, tied to the embedding in small models,
+    stays in ``dtype``)."""
     path = resolve_model_path(model)
     model_config, weights = load_checkpoint(path)
     fingerprint = model_fingerprint(asdict(model_config), weights)
@@ -76,9 +81,11 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     module = module.to(device=device, dtype=dtype).eval()
     for name in ("rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):  # rotary tables stay float32
         setattr(module, name, getattr(module, name).float())
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    if quantization is not None:
+        quantize_linears(module, quantization, skip=(module.lm_head,))
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)
-    return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint)
+    return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint, quantization)
 
 
 def kv_cache_groups(config: ModelConfig, all_full: bool = False) -> list[KVCacheGroup]:
@@ -135,8 +142,11 @@ class LLMEngine:
         self.dtype = _DTYPES[dtype_name]
         if loaded is not None:
             self.dtype, self.device = loaded.model.norm.dtype, loaded.model.norm.device
-        loaded = loaded or load_model(config.model, self.device, self.dtype)
-        self.model_path, self.model_config, self.model, self.tokenizer, self.weight_bytes, self.fingerprint = loaded
+        loaded = loaded or load_model(config.model, self.device, self.dtype, config.quantization)
+        if loaded.quantization != config.quantization:
+            raise ConfigError(f"quantization={config.quantization!r}, but the model given was loaded with "
+                              f"quantization={loaded.quantization!r}")
+        self.model_path, self.model_config, self.model, self.tokenizer, self.weight_bytes, self.fingerprint, _ = loaded
         model_config = self.model_config
         self.max_model_len = self._max_model_len()
 
@@ -213,7 +223,7 @@ class LLMEngine:
                                   f"model's {target.num_layers} layers")
             return DraftModel(shallow_exit(self.model, layers), 0, layers / target.num_layers)
         assert spec.model is not None
-        loaded = load_model(spec.model, self.device, self.dtype)
+        loaded = load_model(spec.model, self.device, self.dtype, self.config.quantization)
         draft_config = loaded.config
         if draft_config.mla is not None:
             raise ConfigError(f"speculative_config: draft model {spec.model} uses MLA; pick one with K/V heads")

@@ -23,7 +23,7 @@ import torch
 
 from kvserve.cache.kv_cache_manager import cdiv
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
-from kvserve.config import KV_KEY_SCALES, ConfigError, EngineConfig
+from kvserve.config import KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
@@ -155,8 +155,8 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
     """Score ``tokens`` in windows of ``context`` under every variant; the first is the reference."""
     engines = []
     for v in variants:
-        config = EngineConfig(model=model, kv_cache_dtype=v.kv_dtype, kv_key_scales=v.key_scales,
-                           kv_scales=kv_scales, block_size=block_size,
+        config = EngineConfig(model=model, quantization=loaded.quantization, kv_cache_dtype=v.kv_dtype,
+                           kv_key_scales=v.key_scales, kv_scales=kv_scales, block_size=block_size,
                            kv_cache_memory=kv_cache_memory, enable_prefix_caching=False, max_num_seqs=1,
                            max_model_len=context, max_num_batched_tokens=chunk,
                            kv_eviction=v.kv_eviction, kv_window=v.kv_window or 1024,
@@ -278,6 +278,8 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="the budget 'max seqs' is computed in")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                        help="int8: the model's linear layers in int8 (as serve's --quantization)")
     parser.add_argument("--out", default="kv_eval", help="folder for results.json, report.md, eval.png")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -289,11 +291,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     variants = parse_variants(args.kv_cache_dtype)
     variants += [row for v in variants
                  for row in eviction_variants(v, args.kv_eviction, args.kv_window, args.kv_compression_ratio)]
-    probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)  # validates
+    probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                         quantization=args.quantization)  # validates
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[probe.dtype]
-    loaded = load_model(args.model, device, dtype)
+    loaded = load_model(args.model, device, dtype, args.quantization)
     if loaded.tokenizer is None:
         raise ConfigError(f"model {args.model!r} has no tokenizer to encode --data")
     tokenizer = loaded.tokenizer
@@ -311,7 +314,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"model": args.model, "data": args.data, "tokens": len(tokens), "context": args.context,
             "chunk": args.chunk, "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
-            "kv_scales": args.kv_scales, "model_dtype": str(dtype).removeprefix("torch.")}
+            "kv_scales": args.kv_scales, "model_dtype": str(dtype).removeprefix("torch."),
+            "quantization": args.quantization}
     (out / "results.json").write_text(json.dumps({"schema": 1, **meta,
                                                   "results": [r._asdict() for r in results]}, indent=1))
     text = table(results)

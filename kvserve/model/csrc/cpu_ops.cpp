@@ -7,6 +7,7 @@
 // rope_and_write_kv: rotary on the fused qkv in place, then each token's K/V into its slot.
 // add_rms_norm / silu_and_mul: residual add + RMSNorm and SwiGLU's gate, one pass each instead
 // of several torch ops (each a dispatch and a trip through memory), float32 inside.
+// quantize_rows_int8 / scale_rows_: the two ends of an int8 linear layer (W8A8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -565,6 +566,89 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     silu_and_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter);
   });
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8 linear layers (W8A8, kvserve.model.int8_linear): activations are quantized per row
+// (token) here, multiplied by the int8 weights in oneDNN (which applies the output channels'
+// scales), and the products scaled back here by each row's scale.
+
+// codes = round(x / s) with s = max|x| / 127 per row (1 for an all-zero row); scales[r] = s.
+// ``offset``: codes + 128 as uint8 (oneDNN's u8 activations, zero point 128), else int8.
+template <typename T>
+static void quantize_rows_kernel(const T* x, uint8_t* codes, float* scales, int64_t rows, int64_t cols, bool offset) {
+  const int flip = offset ? 0x80 : 0;  // two's complement + 128 = the sign bit flipped
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> f(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x + r * cols, f.data(), cols);
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(f[i]));
+      const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+      scales[r] = scale;
+      uint8_t* row = codes + r * cols;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+      for (; i + 16 <= cols; i += 16) {  // round to nearest even, saturate to int8
+        const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f.data() + i), vinv)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(q, vflip));
+      }
+#endif
+      for (; i < cols; ++i)
+        row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(f[i] * inv))) ^ static_cast<uint8_t>(flip);
+    }
+  });
+}
+
+std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor x, bool offset) {
+  // x [rows, cols] contiguous float -> (codes [rows, cols]: int8, or uint8 + 128 with offset; float32 scales [rows])
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
+  auto codes = torch::empty(x.sizes(), x.options().dtype(offset ? torch::kUInt8 : torch::kInt8));
+  auto scales = torch::empty({x.size(0)}, x.options().dtype(torch::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
+    quantize_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), static_cast<uint8_t*>(codes.data_ptr()),
+                                   scales.data_ptr<float>(), x.size(0), x.size(1), offset);
+  });
+  return {codes, scales};
+}
+
+// x[r][c] = x[r][c] * row_scales[r] (+ bias[c]), in place.
+template <typename T>
+static void scale_rows_kernel(T* x, const float* row_scales, const T* bias, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> f(cols), b(bias != nullptr ? cols : 0);
+    if (bias != nullptr) to_float(bias, b.data(), cols);
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = x + r * cols;
+      to_float(row, f.data(), cols);
+      const float s = row_scales[r];
+      if (bias != nullptr) {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) f[c] = f[c] * s + b[c];
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) f[c] *= s;
+      }
+      from_float(f.data(), row, cols);
+    }
+  });
+}
+
+void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch::Tensor> bias) {
+  // x [rows, cols] contiguous float, scaled in place per row (row_scales float32 [rows]), then + bias [cols]
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
+  TORCH_CHECK(row_scales.scalar_type() == torch::kFloat && row_scales.is_contiguous() &&
+              row_scales.numel() == x.size(0), "row_scales: float32 [rows]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == x.size(1) && bias->scalar_type() == x.scalar_type(),
+                "bias: [cols] in x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "scale_rows_", [&] {
+    scale_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), row_scales.data_ptr<float>(),
+                                bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, x.size(0), x.size(1));
+  });
 }
 
 #if defined(__AVX512F__)
@@ -1349,4 +1433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up]: (gate_up)");
+  m.def("quantize_rows_int8", &quantize_rows_int8,
+        "per-row symmetric int8: (x, offset) -> (codes: int8, or uint8 + 128 with offset; float32 scales = max|row| / 127)");
+  m.def("scale_rows_", &scale_rows_, "x *= row_scales[:, None] (+ bias), in place: (x, row_scales, bias)");
 }

@@ -1,0 +1,121 @@
+"""--quantization int8: W8A8 linear layers equal the int8 product they stand for, on every path,
+and the real model still answers with them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import kvserve.model.int8_linear as int8_linear
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.model.cpu_kernels import cpu_op
+from kvserve.model.int8_linear import Int8Linear, _quantize_rows_torch, quantize_linears, quantize_rows
+
+needs_ops = pytest.mark.skipif(cpu_op("quantize_rows_int8") is None, reason="no C++ toolchain")
+# relative error of the output's last rounding: bf16 rounds twice (oneDNN's result, then the row scale)
+ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11}
+
+
+def _rows(dtype: torch.dtype, m: int, k: int) -> torch.Tensor:
+    torch.manual_seed(m)
+    x = torch.randn(m, k) * torch.linspace(0.1, 8, k)  # channels of different ranges, as in a real model
+    x[0] = 0.0  # an all-zero row: scale 1, codes 0
+    return x.to(dtype)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_quantize_rows_kernel_matches_torch(dtype: torch.dtype, offset: bool) -> None:
+    x = _rows(dtype, 37, 100)  # 100: a row not a multiple of 16
+    codes, scales = quantize_rows(x, offset)
+    ref_codes, ref_scales = _quantize_rows_torch(x, offset)
+    assert codes.dtype == (torch.uint8 if offset else torch.int8) and codes.shape == x.shape
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    assert scales[0] == 1.0 and (codes[0].int() == (128 if offset else 0)).all()
+    diff = (codes.int() - ref_codes.int()).abs()
+    # x * (1 / s) against x / s: a value within an ulp of a rounding tie may go either way
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    signed = codes.int() - 128 if offset else codes.int()
+    assert signed.abs().max() == 127  # every nonzero row spans the int8 range
+    assert ((signed.float() * scales[:, None] - x.float()).abs() <= scales[:, None] / 2 * 1.0001).all()
+
+
+def _reference(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 of (x_codes @ codes.T) * x_scales * weight_scales + bias from the same codes."""
+    codes, weight_scales = quantize_rows(linear.weight.detach())
+    x_codes, x_scales = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = (x_codes.double() @ codes.double().t()) * x_scales.double()[:, None] * weight_scales.double()
+    if linear.bias is not None:
+        out += linear.bias.detach().double()
+    return out.view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("packed", [True, False])
+def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool, packed: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oneDNN path (packed weight) and the fallback (_int_mm or float sums, torch ops) both
+    compute the int8 product exactly and round only at the end; and W8A8 stays within ~2% of
+    the float layer."""
+    if packed and int8_linear._onednn_pack(torch.ones(8, 8, dtype=torch.int8)) is None:
+        pytest.skip("this torch build has no quantized oneDNN linear")
+    if not packed:
+        monkeypatch.setattr(int8_linear, "_onednn_pack", lambda codes: None)
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias).to(dtype)
+    layer = Int8Linear(linear)
+    assert (layer.packed is not None) == packed and (layer.codes is None) == packed
+    for m in (2, 7, 40):  # row 0 is all zeros
+        x = _rows(dtype, m, 96).view(1, m, 96)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (1, m, 80)
+        ref = _reference(linear, x)
+        tol = ROUNDING[dtype] * ref.abs().amax(dim=-1, keepdim=True)  # rounding of the largest output
+        assert ((out.double() - ref).abs() <= tol + 1e-6).all(), (m, (out.double() - ref).abs().max())
+        float_out = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None
+                                         else linear.bias.float())
+        assert ((out.float() - float_out).norm() / float_out.norm()) < 0.02
+
+
+def test_quantize_linears_swaps_all_but_the_skipped() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 4)))
+    keep = model[2][1]
+    assert quantize_linears(model, "int8", skip=(keep,)) == 2
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2][0], Int8Linear) and model[2][1] is keep
+    with pytest.raises(ValueError, match="int4"):
+        quantize_linears(model, "int4")
+
+
+def test_bad_quantization_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"quantization must be one of int8 .* got 'fp4'"):
+        EngineConfig(quantization="fp4")
+
+
+@pytest.fixture(scope="module")
+def smollm_int8() -> LoadedModel:
+    return load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16, "int8")
+
+
+def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedModel) -> None:
+    """Every decoder linear layer is int8 (the LM head, tied to the embedding, is not), the
+    weights take about half the bytes, and the model still knows its facts."""
+    model: Any = smollm_int8.model
+    int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8_layers) == 4 * smollm_int8.config.num_layers and isinstance(model.lm_head, nn.Module)
+    assert not isinstance(model.lm_head, Int8Linear)
+    bf16_bytes = smollm.weight_bytes // 2  # the fixture is float32
+    embedding = model.embed_tokens.weight.numel() * 2
+    assert smollm_int8.weight_bytes < embedding + (bf16_bytes - embedding) * 0.52
+    llm = LLM(loaded=smollm_int8, quantization="int8", kv_cache_memory="64MiB")
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert "Paris" in out.text
+    with pytest.raises(ConfigError, match="loaded with quantization='int8'"):
+        LLM(loaded=smollm_int8, kv_cache_memory="64MiB")
