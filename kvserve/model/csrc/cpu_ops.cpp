@@ -692,38 +692,114 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
 }
 
+#if defined(__AVX512BF16__)
+// prefill_rows for bf16 pools in AVX512-BF16 dot products. Keys are bf16 pairs transposed,
+// [dim/2][stride] (pair i of key j: its elements 2i, 2i+1), values key pairs, [stride/2][dim]
+// (pair jp at dim d: keys 2jp and 2jp+1 there), the query unscaled bf16 pairs (exact; the scale
+// goes on the scores): one vdpbf16ps is 16 keys x 2 dims of the scores, or 16 dims x 2 keys of
+// the output, where the float32 path's FMA does 16 x 1. Probabilities are rounded to bf16 for
+// the values (as SDPA's flash path does for bf16): 2^-9 relative per weight.
+template <int NV, int RB>
+static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p, int64_t stride,
+                              const uint32_t* values_p, float scale, float* scores, uint32_t* probs_p, float* acc) {
+  constexpr int64_t dim = NV * 16, pairs = dim / 2;
+  int64_t max_len = 0;
+  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  const int64_t padded = (max_len + 31) / 32 * 32;  // <= stride: the kernel pads sequences to 32
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t tile = 0; tile < padded; tile += 32) {  // 32 keys a pass: each broadcast query pair serves two
+    __m512 s[RB][2];
+    for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    const uint32_t* col = keys_p + tile;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(col + i * stride);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(col + i * stride + 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], qv, k0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], qv, k1);
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      _mm512_storeu_ps(scores + r * stride + tile, _mm512_mul_ps(s[r][0], vscale));
+      _mm512_storeu_ps(scores + r * stride + tile + 16, _mm512_mul_ps(s[r][1], vscale));
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* row = scores + r * stride;
+    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r]);
+    std::fill(row + row_len[r], row + padded, 0.f);  // keys past a row's position get no weight
+    uint32_t* pr = probs_p + r * (stride / 2);
+    for (int64_t j = 0; j < padded; j += 32)  // bf16 j, j+1 ... j+31 in order: pair jp = keys 2jp, 2jp+1
+      _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16),
+                                                                   _mm512_loadu_ps(row + j)));
+  }
+  __m512 a[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
+  for (int64_t jp = 0; jp < padded / 2; ++jp) {
+    __m512bh v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(values_p + jp * dim + 16 * i);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs_p[r * (stride / 2) + jp]));
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], p, v[i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
+}
+
+// One bf16 pool row pair interleaved for prefill_rows_bf16's values: out[d] = (r0[d], r1[d]).
+static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t* out, int64_t dim) {
+  const auto* a16 = static_cast<const c10::BFloat16*>(r0);
+  const auto* b16 = static_cast<const c10::BFloat16*>(r1);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512i a = _mm512_loadu_si512(a16 + d);
+    const __m512i b = b16 != nullptr ? _mm512_loadu_si512(b16 + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+#endif
+
 // Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
-// values) writes sequence b's KV head h as float32: keys transposed [dim][stride], values
-// [len][dim] (the stride >= len columns past len are zeroed here).
-template <typename T, int NV, int RB, typename Fill>
+// values) writes sequence b's KV head h: as float32, keys transposed [dim][stride] and values
+// [len][dim]; with kPairs (bf16 pools, prefill_rows_bf16), keys [dim/2][stride] and values
+// [stride/2][dim] of bf16 pairs. Buffers start zeroed, so columns past len weigh nothing.
+template <typename T, int NV, int RB, bool kPairs, typename Fill>
 static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
                            int64_t batch, int64_t query_len, int64_t heads, int64_t kv_heads, float scale,
                            const Fill& fill) {
-  constexpr int64_t dim = NV * 16;
+  using Word = std::conditional_t<kPairs, uint32_t, float>;
+  constexpr int64_t dim = NV * 16, words = kPairs ? dim / 2 : dim, pad = kPairs ? 32 : 16;
   const int64_t group = heads / kv_heads;
-  // Phase 1: each sequence's keys, transposed to [dim][len16], and values [len16][dim], float32.
+  // Phase 1: each sequence's keys and values, once per (sequence, KV head), padded to `pad`.
   std::vector<int64_t> padded(batch), base(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
-    padded[b] = (lens[b] + 15) / 16 * 16;
-    base[b + 1] = base[b] + kv_heads * padded[b] * dim;
+    padded[b] = (lens[b] + pad - 1) / pad * pad;
+    base[b + 1] = base[b] + kv_heads * padded[b] * words;
   }
-  std::vector<float> keys_t(base[batch]), values(base[batch]);
+  std::vector<Word> keys_t(base[batch]), values(base[batch]);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / kv_heads, h = job % kv_heads, len = lens[b], stride = padded[b];
-      float* kt = keys_t.data() + base[b] + h * stride * dim;
-      fill(b, h, len, stride, kt, values.data() + base[b] + h * stride * dim);
-      for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * stride + len, kt + (d + 1) * stride, 0.f);
+      const int64_t b = job / kv_heads, h = job % kv_heads, stride = padded[b];
+      fill(b, h, lens[b], stride, keys_t.data() + base[b] + h * stride * words,
+           values.data() + base[b] + h * stride * words);
     }
   });
   // Phase 2: tiles of RB query rows (row = position * group + head in group). Causal tiles
   // cost more the later they sit, so jobs are dealt from both ends to balance the threads.
   const int64_t tiles_per_head = (query_len * group + RB - 1) / RB;
   const int64_t jobs = batch * kv_heads * tiles_per_head;
-  int64_t max_stride = 0;
+  int64_t max_stride = pad;
   for (int64_t b = 0; b < batch; ++b) max_stride = std::max(max_stride, padded[b]);
   at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(RB * dim), acc(RB * dim), scores(RB * std::max<int64_t>(max_stride, 16));
+    std::vector<Word> qw(RB * words);
+    std::vector<float> acc(RB * dim), scores(RB * max_stride);
+    std::vector<uint32_t> probs(kPairs ? RB * max_stride / 2 : 0);
     int64_t row_len[RB];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t job = k % 2 == 0 ? k / 2 : jobs - 1 - k / 2;
@@ -731,17 +807,30 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
       const int64_t b = bh / kv_heads, h = bh % kv_heads, stride = padded[b];
       for (int r = 0; r < RB; ++r) {
         const int64_t row = tile * RB + r, i = row / group, g = row % group;
+        Word* qr = qw.data() + r * words;
         if (row >= query_len * group) {
           row_len[r] = 0;
-          std::fill(qf.begin() + r * dim, qf.begin() + (r + 1) * dim, 0.f);
+          std::fill(qr, qr + words, Word(0));
           continue;
         }
         row_len[r] = lens[b] - query_len + i + 1;
-        to_float(q + (b * query_len + i) * q_stride + (h * group + g) * dim, qf.data() + r * dim, dim);
-        for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] *= scale;
+        const T* src = q + (b * query_len + i) * q_stride + (h * group + g) * dim;
+        if constexpr (kPairs) {
+          std::memcpy(qr, src, dim * sizeof(T));  // bf16 pairs as they are: the scale goes on the scores
+        } else {
+          to_float(src, qr, dim);
+          for (int64_t d = 0; d < dim; ++d) qr[d] *= scale;
+        }
       }
-      prefill_rows<NV, RB>(qf.data(), row_len, keys_t.data() + base[b] + h * stride * dim, stride,
-                           values.data() + base[b] + h * stride * dim, scores.data(), acc.data());
+      const Word* kt = keys_t.data() + base[b] + h * stride * words;
+      const Word* vs = values.data() + base[b] + h * stride * words;
+#if defined(__AVX512BF16__)
+      if constexpr (kPairs)
+        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data());
+      else
+#endif
+        if constexpr (!kPairs)
+          prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data());
       for (int r = 0; r < RB; ++r) {
         const int64_t row = tile * RB + r, i = row / group, g = row % group;
         if (row < query_len * group)
@@ -753,11 +842,13 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
 
 // The prefill kernel for this head size; false where there is no vector path for it. (head_dim
 // 256 with one query row per tile measured 2x slower than SDPA's causal flash path: none.)
-template <typename T, typename Fill>
+template <typename T, bool kPairs = false, typename Fill>
 static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride, int64_t batch,
                         int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill) {
-  if (dim == 64) prefill_kernel<T, 4, 4>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
-  else if (dim == 128) prefill_kernel<T, 8, 2>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+  if (dim == 64)
+    prefill_kernel<T, 4, 4, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+  else if (dim == 128)
+    prefill_kernel<T, 8, 2, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
   else return false;
   return true;
 }
@@ -785,12 +876,31 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
       const int64_t* tab = tables.data_ptr<int64_t>();
       const int64_t width = tables.size(1), block_size = kv_cache.size(2);
       const int64_t block_stride = 2 * kv_heads * block_size * dim;
+      auto row_at = [&](int64_t b, int64_t head, int64_t pos) {
+        return kv + tab[b * width + pos / block_size] * block_stride + (head * block_size + pos % block_size) * dim;
+      };
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
+          for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
+            const uint32_t* krow = reinterpret_cast<const uint32_t*>(row_at(b, h, pos));
+            for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
+          }
+          for (int64_t pos = 0; pos < len; pos += 2)
+            interleave_bf16_rows(row_at(b, kv_heads + h, pos), pos + 1 < len ? row_at(b, kv_heads + h, pos + 1) : nullptr,
+                                 vp + pos / 2 * dim, dim);
+        };
+        done = run_prefill<scalar_t, true>(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(),
+                                           out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
+                                           kv_heads, dim, static_cast<float>(scale), fill_pairs);
+        return;
+      }
+#endif
       auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
         for (int64_t pos = 0; pos < len; ++pos) {
-          const scalar_t* block = kv + tab[b * width + pos / block_size] * block_stride;
-          const scalar_t* krow = block + (h * block_size + pos % block_size) * dim;
+          const scalar_t* krow = row_at(b, h, pos);
           for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
-          to_float(block + ((kv_heads + h) * block_size + pos % block_size) * dim, vs + pos * dim, dim);
+          to_float(row_at(b, kv_heads + h, pos), vs + pos * dim, dim);
         }
       };
       done = run_prefill(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
