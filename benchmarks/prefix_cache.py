@@ -2,6 +2,7 @@
 
     python benchmarks/prefix_cache.py --vllm-python /work/vllm-venv/bin/python \\
         --out docs/results/prefix_cache.json
+    python benchmarks/prefix_cache.py --profile    # where kvserve's shared-prefix time goes
 
 Workloads (token ids, EOS ignored):
   shared-prefix  64 requests = one 1,000-token system prompt + a unique 50-token question each,
@@ -120,6 +121,18 @@ def run_vllm(python: str, folder: str, caching: bool, dtype: str) -> dict[str, A
                               "--caching", "on" if caching else "off"], VLLM_CPU_KVCACHE_SPACE="4")
 
 
+def profile_shared_prefix(dtype: str) -> None:
+    """Where the shared-prefix workload's time goes: kvserve's ops, by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generate = kvserve_generate(True, dtype)
+    generate([[1, 2, 3]], 2)  # warm-up, not counted
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = shared_prefix(generate)
+    print(json.dumps(result))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
 def run_child(args: argparse.Namespace) -> None:
     caching = args.caching == "on"
     generate = vllm_generate(args.model, caching, args.dtype)
@@ -136,9 +149,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--out", default="docs/results/prefix_cache.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="only: kvserve's shared-prefix run (caching on, fresh engine) under torch's profiler")
     args = parser.parse_args()
     if args.engine == "vllm":
         run_child(args)
+        return
+    if args.profile:
+        profile_shared_prefix(args.dtype)
         return
     sys.path.insert(0, os.path.dirname(__file__))
     runs = []

@@ -4,9 +4,10 @@ token's activations quantized to int8 at run time, int32 products.
 weight[n, k] ~ codes[n, k] * weight_scale[n] (symmetric, scale = max|row| / 127) and
 x[t, k] ~ x_codes[t, k] * x_scale[t] (the same, per token, at every call), so
 x @ weight.T ~ (x_codes @ codes.T) * x_scale[t] * weight_scale[n]: one int8 GEMM with int32 sums
-(torch._int_mm: oneDNN's VNNI dot products on CPU, four multiply-adds per 32-bit lane where
-AVX512-BF16 does two), then one rescale. Per-token activation scales follow each token's own
-range (a per-tensor scale is set by the largest token of the batch).
+(on CPU oneDNN's quantized linear on a weight packed once, VNNI dot products: four
+multiply-adds per 32-bit lane where AVX512-BF16 does two), then one rescale. Per-token
+activation scales follow each token's own range (a per-tensor scale is set by the largest token
+of the batch, e.g. the first token's outliers).
 """
 
 from __future__ import annotations
