@@ -824,13 +824,13 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
       }
       const Word* kt = keys_t.data() + base[b] + h * stride * words;
       const Word* vs = values.data() + base[b] + h * stride * words;
-#if defined(__AVX512BF16__)
-      if constexpr (kPairs)
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)  // only instantiated where it is defined (paged_prefill_attention)
         prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data());
-      else
 #endif
-        if constexpr (!kPairs)
-          prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data());
+      } else {
+        prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data());
+      }
       for (int r = 0; r < RB; ++r) {
         const int64_t row = tile * RB + r, i = row / group, g = row % group;
         if (row < query_len * group)
