@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse cached blocks of shared prompt prefixes (default: on)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="admission order: arrival, or longest cached prefix first (bounded wait)")
+    g.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit a request only when the KV cache holds its whole prompt besides the prompts still "
+                        "prefilling; off: admit on its first chunk (more requests start, more are preempted) "
+                        "(default: on)")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for every layer: sliding-window layers keep every block too")
     g.add_argument("--speculative-config", default=None,
@@ -101,6 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers, "kv_key_scales": args.kv_key_scales,
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
+        "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "speculative_config": args.speculative_config, "kv_eviction": args.kv_eviction,
         "kv_sink_tokens": args.kv_sink_tokens, "kv_window": args.kv_window,

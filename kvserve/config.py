@@ -197,6 +197,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # on by default, as in vLLM v1
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first (bounded wait)
     preemption_mode: str = "recompute"  # or "swap": a preempted request's blocks go to tier 1 (kv_offload_memory)
+    # admission control (vLLM's flag): admit a request only when the free blocks hold its whole prompt
+    # besides the rest of the prompts being prefilled; False admits on its first chunk (may overcommit)
+    scheduler_reserve_full_isl: bool = True
     # every layer keeps every block (sliding-window layers still attend within their window):
     # vLLM's flag of the same name, kept to measure what the KV cache groups save
     disable_hybrid_kv_cache_manager: bool = False

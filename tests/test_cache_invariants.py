@@ -93,12 +93,17 @@ def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, nu
             before = kv.pool.num_free_blocks
             target = kv.num_tokens.get(request_id, 0) + shift + n
             cached = None if request_id in kv.block_tables else kv.find_cached_prefix(request_id, target, tokens)
+            foreseen = kv.blocks_to_reach(request_id, target, cached)  # what admission control reserves
             ok = kv.allocate_slots(request_id, target, tokens, cached)
+            exact = groups == "full"  # sliding groups: an estimate (shared blocks leaving the window stay held)
             if not ok:
                 # a failed allocation takes nothing (sliding groups may still give back blocks out of the window)
                 assert kv.pool.num_free_blocks == before or (groups != "full" and kv.pool.num_free_blocks > before)
+                assert not exact or foreseen > before or tail_blocks  # short of blocks (or of an aligned tail run)
             else:
                 assert kv.num_tokens[request_id] == target - shift
+                assert not exact or before - kv.pool.num_free_blocks == foreseen
+                assert not exact or kv.blocks_to_reach(request_id, target) == 0
         elif op == "compact":  # keep n% of the request's tokens in fresh private blocks (SnapKV)
             if groups != "full" or request_id not in kv.block_tables:
                 continue
@@ -317,3 +322,17 @@ def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, bu
         for r in sched.running:
             assert kv.num_tokens[r.request_id] + kv.evicted_tokens(r.request_id) == r.num_computed_tokens
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and not kv.evicted
+
+
+def test_blocks_to_reach_counts_revived_hits() -> None:
+    """Cached blocks no request holds sit in the free queue: a hit on them costs the block it
+    revives; a hit on blocks another request holds costs nothing."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    tokens: TokenReader = lambda start, end: list(range(start, end))  # noqa: E731
+    assert kv.allocate_slots("a", 8, tokens)
+    kv.free("a")  # its two full blocks stay cached, unreferenced
+    hits = kv.find_cached_prefix("b", 10, tokens)
+    assert hits.num_blocks == 2 and kv.blocks_to_reach("b", 10, hits) == 3
+    free = kv.pool.num_free_blocks
+    assert kv.allocate_slots("b", 10, tokens, hits) and free - kv.pool.num_free_blocks == 3
+    assert kv.blocks_to_reach("c", 10, kv.find_cached_prefix("c", 10, tokens)) == 1

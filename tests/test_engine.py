@@ -89,3 +89,48 @@ def test_uninitialised_pool_memory_is_never_read(tiny_model_factory: Callable[..
         layer.data[1:].fill_(float("nan"))
     assert [o.token_ids for o in llm.generate(prompts, params)] == clean
     assert cache.zeroed_up_to == llm.engine.kv_manager.pool.max_block_id_used > 0
+
+
+def _pool_llm(tiny_model_factory: Callable[..., Path], num_blocks: int, reserve: bool) -> LLM:
+    block_bytes = 4 * 2 * 2 * 2 * 16 * 4  # 4 tokens, K and V, 2 layers, 2 KV heads of 16, fp32
+    llm = LLM(str(tiny_model_factory("llama")), block_size=4, kv_cache_memory=block_bytes * (num_blocks + 1),
+              max_num_seqs=8, max_num_batched_tokens=16, scheduler_reserve_full_isl=reserve)
+    assert llm.engine.num_blocks - 1 == num_blocks
+    return llm
+
+
+def _run_counting_prefill_preemptions(llm: LLM, prompts: list[list[int]], params: SamplingParams
+                                      ) -> tuple[list[list[int]], int]:
+    """Outputs, and how many requests were preempted before their prompt was all computed."""
+    requests = [llm.engine.add_request(p, params) for p in prompts]
+    mid_prefill = 0
+    while llm.engine.has_unfinished_requests():
+        prefilling = {r.request_id for r in requests if 0 < r.num_computed_tokens < len(r.prompt_token_ids)}
+        llm.engine.step()
+        mid_prefill += sum(1 for r in requests if r.request_id in prefilling and r.num_computed_tokens == 0)
+    return [r.output_token_ids for r in requests], mid_prefill
+
+
+def test_admission_control_reserves_whole_prompts(tiny_model_factory: Callable[..., Path]) -> None:
+    """Five 40-token prompts (10 blocks each) in 16-token chunks, a 20-block pool: admitted on
+    their first chunk they overcommit the pool and are preempted mid-prefill; with admission
+    control (the default) a prompt starts only when it can finish, so nobody is, and the tokens
+    are the same."""
+    prompts = [[7 + i] * 39 + [i] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eager, eager_mid = _run_counting_prefill_preemptions(_pool_llm(tiny_model_factory, 20, False), prompts, params)
+    llm = _pool_llm(tiny_model_factory, 20, True)
+    reserved, reserved_mid = _run_counting_prefill_preemptions(llm, prompts, params)
+    assert eager_mid > 0 and reserved_mid == 0 and llm.engine.num_preemptions == 0
+    assert reserved == eager
+
+
+def test_admission_control_still_preempts_on_decode_growth(tiny_model_factory: Callable[..., Path]) -> None:
+    """Prompts fit when admitted, but their outputs outgrow a 12-block pool: the newest is
+    preempted (loss-free) and the tokens equal those of a pool big enough for all."""
+    prompts = [[3 + i] * 6 for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    llm = _pool_llm(tiny_model_factory, 12, True)
+    tight = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    roomy = [o.token_ids for o in _pool_llm(tiny_model_factory, 64, True).generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.num_preemptions > 0 and tight == roomy

@@ -89,7 +89,8 @@ def test_tiny_gemma_matches_transformers(tiny_gemma: tuple[Path, list[list[int]]
     path, prompts, want = tiny_gemma
     pool_block = 2 * 2 * block_size * 256 * 4  # two layers per group, K and V, one head of 256, fp32
     llm = LLM(model=str(path), dtype="float32", block_size=block_size, max_num_batched_tokens=16,
-              kv_cache_memory=pool_block * {4: 32, 16: 16}[block_size], enable_prefix_caching=True)
+              kv_cache_memory=pool_block * {4: 32, 16: 16}[block_size], enable_prefix_caching=True,
+              scheduler_reserve_full_isl=False)  # admitted on a chunk: preempted mid-prefill too
     assert [g.spec.sliding_window for g in llm.engine.kv_groups] == [0, 8, 8]
     kv = llm.engine.kv_manager
     released = 0
@@ -154,7 +155,8 @@ def test_gemma3_long_prompts_match_transformers(gemma: LoadedModel) -> None:
     del hf
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     pool_block = 3 * 2 * 16 * 256 * 4
-    llm = LLM(model="gemma-3-270m", loaded=gemma, max_num_batched_tokens=512, kv_cache_memory=pool_block * 560)
+    llm = LLM(model="gemma-3-270m", loaded=gemma, max_num_batched_tokens=512, kv_cache_memory=pool_block * 560,
+              scheduler_reserve_full_isl=False)  # admitted on a chunk: preempted mid-prefill too
     kv = llm.engine.kv_manager
     dropped = 0
     for _ in range(2):

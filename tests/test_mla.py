@@ -50,7 +50,8 @@ def test_mla_matches_transformers(references: dict[tuple[str, int | None], Any],
     path, prompts, want = references[checkpoint]
     latent_block = 3 * block_size * (32 + 16) * 4  # three layers of one 48-float vector per token
     llm = LLM(model=str(path), dtype="float32", block_size=block_size, max_num_batched_tokens=32,
-              kv_cache_memory=latent_block * (7 if block_size == 16 else 4))
+              kv_cache_memory=latent_block * (7 if block_size == 16 else 4),
+              scheduler_reserve_full_isl=False)  # admitted on a chunk: preempted mid-prefill too
     assert [tuple(layer.data.shape[1:]) for layer in llm.engine.kv_cache.layers] == [(1, block_size, 48)] * 3
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert llm.engine.num_preemptions > 0

@@ -397,6 +397,31 @@ class KVCacheManager:
             self._publish(request_id, num_tokens - num_lookahead_tokens, tokens)
         return True
 
+    def blocks_to_reach(self, request_id: str, num_tokens: int, cached: CachedPrefix | None = None) -> int:
+        """Free pool blocks the request still takes, at its peak, until its first ``num_tokens``
+        positions are allocated (a sliding group or a streaming request holds only its window;
+        a request without blocks starts from ``cached``: hits another request holds cost
+        nothing, hits in the free queue cost the block they revive). Exact for full-attention
+        groups; for sliding ones an estimate (a block shared with another request stays held when
+        it leaves this one's window). Admission control reserves this for every prompt still
+        being prefilled."""
+        window = self.window_of(request_id)
+        tables = self.block_tables.get(request_id)
+        if tables is None:
+            hits = cached.blocks if cached is not None and cached.num_blocks else [[] for _ in self.groups]
+            held = [sum(1 for b in group if isinstance(b, KVCacheBlock) and b.ref_cnt > 0) for group in hits]
+            tail_cost = self.tail_blocks
+        else:
+            held = [len(table) - first for table, first in zip(tables, self.num_released[request_id], strict=True)]
+            tail_cost = 0
+            num_tokens -= self.evicted.get(request_id, 0)
+        total = 0
+        for spec, holding in zip(self.groups, held, strict=True):
+            peak = (window.blocks_held(self.block_size, self.max_chunk_tokens) if window is not None
+                    else spec.blocks_held(num_tokens, self.block_size, self.max_chunk_tokens))
+            total += max(0, min(peak, self.blocks_needed(num_tokens)) - holding) + tail_cost
+        return total
+
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Keep only the request's first ``num_tokens`` slots (its rejected draft tokens' slots are
         forgotten): table entries wholly past them go back to the pool. They were never published

@@ -193,7 +193,8 @@ class LLMEngine:
                                          [group.spec for group in self.kv_groups], config.max_num_batched_tokens,
                                          self.streaming)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, preemption_mode=config.preemption_mode)
+                                   config.scheduling_policy, preemption_mode=config.preemption_mode,
+                                   reserve_full_prompt=config.scheduler_reserve_full_isl)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
                                   layer_groups(self.kv_groups, model_config.num_layers), model_config.layer_windows)
         self.requests: dict[str, Request] = {}

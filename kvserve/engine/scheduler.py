@@ -5,7 +5,9 @@ requests: running requests first (a decode costs one token, an unfinished prompt
 then waiting requests — in arrival order ("fcfs"), or with policy "lpm" (SGLang's longest
 prefix match) those with the longest cached prefix first, except that a request passed over
 max_skips times goes first. A waiting request starts from its longest cached prefix (prefix
-caching) and computes only the rest. When the pool runs dry the most recently arrived
+caching) and computes only the rest; it is admitted only when the free blocks hold its whole
+prompt besides the rest of the prompts being prefilled and a block per running request
+(admission control, unless turned off), or when nothing else runs. When the pool runs dry the most recently arrived
 running request is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (prompt + tokens generated so far) later. Nothing is dropped.
 """
@@ -17,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import CachedPrefix, KVCacheManager
 from kvserve.config import SCHEDULING_POLICIES
 from kvserve.engine.request import Request, RequestStatus
 
@@ -52,7 +54,8 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", max_skips: int = 8, preemption_mode: str = "recompute") -> None:
+                 policy: str = "fcfs", max_skips: int = 8, preemption_mode: str = "recompute",
+                 reserve_full_prompt: bool = True) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv = kv_manager
@@ -61,6 +64,7 @@ class Scheduler:
         self.policy = policy
         self.max_skips = max_skips  # lpm: how often a request may be passed over before it goes first
         self.preemption_mode = preemption_mode  # "recompute", or "swap" (blocks to tier 1; recompute if full)
+        self.reserve_full_prompt = reserve_full_prompt  # admission control (_prompt_fits); off: the first chunk
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()  # swapped out, oldest preemption first: they come back first
         self.running: list[Request] = []  # sorted by arrival_seq: the last is the newest
@@ -151,6 +155,8 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
             computed = cached.num_blocks * self.kv.block_size
             n = min(request.num_tokens - computed, budget)
+            if self.reserve_full_prompt and self.running and not self._prompt_fits(request, cached):
+                break
             if not self.kv.allocate_slots(request.request_id, computed + n, request.token_ids, cached):
                 break
             self.kv.record_prefix_lookup(request.num_tokens, computed)
@@ -166,6 +172,16 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, n))
             budget -= n
         return SchedulerOutput(chunks, victims, [])
+
+    def _prompt_fits(self, request: Request, cached: CachedPrefix) -> bool:
+        """Admission control: the pool holds the request's whole prompt besides what the running
+        requests still take to finish theirs and one block each to keep decoding. Admitting on
+        the first chunk alone overcommits the pool with long prompts, which are then preempted
+        mid-prefill and recomputed (measured: 230 preemptions for 64 prompts of 2,000-6,000 tokens
+        in 2 GiB). Alone in the engine a request needs only its first chunk to fit."""
+        reserved = sum(self.kv.blocks_to_reach(r.request_id, r.num_tokens) + 1 for r in self.running)
+        return self.kv.blocks_to_reach(request.request_id, request.num_tokens, cached) + reserved \
+            <= self.kv.pool.num_free_blocks
 
     def _order_by_cached_prefix(self) -> None:
         """lpm: longest cached prefix first (stable, so arrival order among equals); requests
