@@ -66,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admit a request only when the KV cache holds its whole prompt besides the prompts still "
                         "prefilling; off: admit on its first chunk (more requests start, more are preempted) "
                         "(default: on)")
+    g.add_argument("--disable-cascade-attn", action="store_true",
+                   help="read a prefix that every running sequence shares once per sequence (default: once per "
+                        "decode step for all of them: cascade attention)")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for every layer: sliding-window layers keep every block too")
     g.add_argument("--speculative-config", default=None,
@@ -106,6 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
         "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
+        "disable_cascade_attn": args.disable_cascade_attn,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "speculative_config": args.speculative_config, "kv_eviction": args.kv_eviction,
         "kv_sink_tokens": args.kv_sink_tokens, "kv_window": args.kv_window,

@@ -200,6 +200,8 @@ class EngineConfig:
     # admission control (vLLM's flag): admit a request only when the free blocks hold its whole prompt
     # besides the rest of the prompts being prefilled; False admits on its first chunk (may overcommit)
     scheduler_reserve_full_isl: bool = True
+    # decode reads a prefix shared by the whole batch once for all its queries (vLLM's flag turns it off)
+    disable_cascade_attn: bool = False
     # every layer keeps every block (sliding-window layers still attend within their window):
     # vLLM's flag of the same name, kept to measure what the KV cache groups save
     disable_hybrid_kv_cache_manager: bool = False

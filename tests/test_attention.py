@@ -16,6 +16,7 @@ from kvserve.model.attention import (
     PREFILL_TILE,
     AttentionGroup,
     AttentionMetadata,
+    Cascade,
     attention_bias,
     banded_attention,
     kv_write_rows,
@@ -206,6 +207,91 @@ def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_
         meta = AttentionMetadata(slots, KVWriteIndex(slots, None, None), [group])
         outs.append(paged_attention(query, LayerKV.float_pool(pool), meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+needs_prefill_kernel = pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32),
+                                          reason="no AVX-512 prefill kernel here")
+
+
+@needs_kernel
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
+@pytest.mark.parametrize("query_len", [1, 5])  # decode, prefill chunks
+def test_cascade_matches_the_kernels(dtype: torch.dtype, tol: float, block_size: int, heads: int, kv_heads: int,
+                                     dim: int, query_len: int) -> None:
+    """Six sequences over one shared prefix of 1-4 blocks plus 1-70 tokens of their own, the
+    last query_len of them queries: the shared part read once (non-causal prefill kernel) merged
+    with each sequence's own (decode kernel, or the causal prefill kernel) by their log-sum-exps
+    equals the decode or prefill kernel over each whole table."""
+    torch.manual_seed(3)
+    for shared_blocks in (1, 4):
+        own = torch.tensor([1, 2, 17, 33, 70, 5]).clamp(min=query_len)
+        lens = shared_blocks * block_size + own
+        batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)
+        num_blocks = batch * width + 1
+        pool = torch.randn(num_blocks, 2 * kv_heads, block_size, dim).to(dtype)
+        ids = torch.randperm(num_blocks - 1)[: batch * width].view(batch, width) + 1
+        ids[:, :shared_blocks] = ids[0, :shared_blocks]
+        tables = torch.where(torch.arange(width)[None, :] * block_size < lens[:, None], ids, torch.zeros_like(ids))
+        query = (2 * torch.randn(batch * query_len, heads, dim)).to(dtype)
+        plain = AttentionGroup(0, batch, query_len, tables, True, None, lens, False, None)
+        cascade = Cascade(tables[:1, :shared_blocks], torch.tensor([shared_blocks * block_size]),
+                          tables[:, shared_blocks:].contiguous(), own)
+        cascaded = AttentionGroup(0, batch, query_len, tables, True, None, lens, False, None, cascade=cascade)
+        slots = torch.zeros(0, dtype=torch.long)
+        outs = [paged_attention(query, LayerKV.float_pool(pool), AttentionMetadata(slots, KVWriteIndex(
+            slots, None, None), [group]), dim**-0.5).float() for group in (plain, cascaded)]
+        torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_prefill_kernel_and_its_log_sum_exps(dtype: torch.dtype) -> None:
+    """causal=False: every query row sees all the sequence's keys; lse is each row's
+    log-sum-exp of its scaled scores (what merging partial softmaxes needs)."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, block_size, num_keys, rows = 9, 3, 64, 16, 100, 11
+    pool = torch.randn(8, 2 * kv_heads, block_size, dim).to(dtype)
+    table = torch.tensor([[3, 1, 7, 5, 2, 6, 4]])
+    query = torch.randn(rows, heads, dim).to(dtype)
+    out, lse = torch.empty_like(query), torch.empty(rows, heads)
+    assert cpu_op("paged_prefill_attention")(out, query, pool, table, torch.tensor([num_keys]), rows, dim**-0.5,
+                                             causal=False, lse=lse)
+    kv = pool[table[0]].float().permute(1, 0, 2, 3).reshape(2 * kv_heads, -1, dim)[:, :num_keys]
+    k, v = kv[:kv_heads].repeat_interleave(3, 0), kv[kv_heads:].repeat_interleave(3, 0)
+    scores = query.float().transpose(0, 1) @ k.transpose(1, 2) * dim**-0.5  # [heads, rows, keys]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lse, scores.logsumexp(-1).T, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.float(), (scores.softmax(-1) @ v).transpose(0, 1), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@needs_prefill_kernel
+def test_engine_cascade_same_tokens_and_taken(tiny_model_factory: Callable[..., Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sixteen requests on one 800-token prompt prefix (a system prompt, cached: 16 x 800 tokens
+    pass the cascade's threshold) prefill their own 5 tokens and decode through the cascade —
+    both counted — with the same greedy tokens as with --disable-cascade-attn."""
+    import kvserve.model.attention as attention
+
+    path = str(tiny_model_factory("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=1024))
+    system = [(7 * i) % 200 + 3 for i in range(800)]
+    prompts = [[*system, i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls = []
+    real = attention.cascade_attention
+    monkeypatch.setattr(attention, "cascade_attention", lambda *args: calls.append(args[4]) or real(*args))
+    results = []
+    for disable in (False, True):
+        llm = LLM(path, kv_cache_memory="16MiB", max_num_batched_tokens=1024, disable_cascade_attn=disable)
+        llm.generate([[*system, 1]], params)  # caches the system prompt: the others start from it
+        results.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert (1 in calls and 5 in calls) != disable  # decode steps and the 5-token prefill chunks
+        calls.clear()
+    assert results[0] == results[1]
 
 
 @needs_kernel

@@ -196,7 +196,8 @@ class LLMEngine:
                                    config.scheduling_policy, preemption_mode=config.preemption_mode,
                                    reserve_full_prompt=config.scheduler_reserve_full_isl)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
-                                  layer_groups(self.kv_groups, model_config.num_layers), model_config.layer_windows)
+                                  layer_groups(self.kv_groups, model_config.num_layers), model_config.layer_windows,
+                                  cascade=not config.disable_cascade_attn)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # requests preempted (recomputed or swapped out) since start-up
         self._arrivals = itertools.count()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,20 @@ from torch.profiler import record_function
 from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
+
+
+class Cascade(NamedTuple):
+    """Queries of sequences that all start with the same blocks (one system prompt, many users):
+    the shared keys are read once for all of them, by one non-causal call of the prefill kernel
+    (every query as its rows), each sequence's own blocks by the decode kernel (or, for prefill
+    chunks, the causal prefill kernel), and the two partial softmaxes merged by their
+    log-sum-exps (FlashInfer's cascade attention, Hydragen). The shared blocks are full cached
+    prefix blocks before every query, so every query sees them all."""
+
+    shared_table: torch.Tensor  # [1, shared blocks]
+    shared_len: torch.Tensor  # [1]: shared blocks * block_size
+    suffix_tables: torch.Tensor  # [batch, table width - shared blocks]
+    suffix_lens: torch.Tensor  # [batch]: each sequence's keys past the shared blocks (>= its queries)
 
 
 @dataclass(slots=True)
@@ -39,6 +54,7 @@ class AttentionGroup:
     causal_from_start: bool  # every chunk starts at position 0: plain causal attention
     bias: torch.Tensor | None  # additive mask for the matmul decode path (None: kernel or SDPA)
     tail_slots: torch.Tensor | None = None  # [batch] each sequence's tail slot (pools that keep one)
+    cascade: Cascade | None = None  # kernel groups over a shared prefix (pools held as the model's dtype)
 
 
 @dataclass(slots=True)
@@ -158,6 +174,29 @@ def _quantized_kernel(out: torch.Tensor, query: torch.Tensor, layer: LayerKV, gr
     assert done, "the quantized attention kernel refused a supported shape"
 
 
+def cascade_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, cascade: Cascade,
+                      query_len: int, scale: float) -> None:
+    """Attention into ``out`` [T, H, D] (contiguous) for ``query_len`` queries per sequence
+    ([T, H, D]) whose tables share ``cascade``'s leading blocks (see Cascade)."""
+    rows, heads = query.shape[:2]
+    shared = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse_shared = torch.empty(rows, heads, dtype=torch.float32, device=query.device)
+    lse_own = torch.empty_like(lse_shared)
+    prefill, decode, merge = (cpu_op(name) for name in ("paged_prefill_attention", "paged_decode_attention",
+                                                        "merge_attention_states_"))
+    assert prefill is not None and decode is not None and merge is not None, "a cascade needs the C++ kernels"
+    with record_function("kvserve::cascade_attention"):
+        done = prefill(shared, query, kv_cache, cascade.shared_table, cascade.shared_len, rows, scale, causal=False,
+                       lse=lse_shared)
+        if query_len == 1:
+            decode(out, query, kv_cache, cascade.suffix_tables, cascade.suffix_lens, scale, lse=lse_own)
+        else:
+            done = done and prefill(out, query, kv_cache, cascade.suffix_tables, cascade.suffix_lens, query_len, scale,
+                                    lse=lse_own)
+        assert done, "the prefill kernel refused a cascade's part"
+        merge(out, lse_own, shared, lse_shared)
+
+
 def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D]; ``layer``'s pool [num_blocks, 2*KVH, block_size, row], this step's K/V
     already written. Every group reads its sequences' K/V from the pool through their block
@@ -174,6 +213,10 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
         end = group.token_start + group.batch * group.query_len
         if group.uses_kernel and not direct:
             _quantized_kernel(out[group.token_start : end], query[group.token_start : end], layer, group, scale)
+            continue
+        if group.cascade is not None:
+            cascade_attention(out[group.token_start : end], query[group.token_start : end], kv_cache, group.cascade,
+                              group.query_len, scale)
             continue
         if group.uses_kernel:
             # reads K/V in place through the block tables (no gathered copy), writes into out

@@ -43,8 +43,9 @@ static inline __mmask16 tail_mask(int64_t remaining) {
 }
 #endif
 
-// Softmax of each of `rows` score rows of length len, in place, in float32.
-static void softmax_rows(float* scores, int64_t rows, int64_t len) {
+// Softmax of each of `rows` score rows of length len, in place, in float32; with `lse`, each
+// row's log-sum-exp (max + log sum) there too, to merge partial softmaxes (cascade attention).
+static void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse = nullptr) {
   for (int64_t g = 0; g < rows; ++g) {
     float* pg = scores + g * len;
 #if defined(__AVX512F__)
@@ -59,7 +60,9 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len) {
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
       _mm512_mask_storeu_ps(pg + i, m, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    const float total = _mm512_reduce_add_ps(vsum);
+    if (lse != nullptr) lse[g] = _mm512_reduce_max_ps(mx) + std::log(total);
+    const __m512 inv = _mm512_set1_ps(1.f / total);
     for (int64_t i = 0; i < len; i += 16) {
       const __mmask16 m = tail_mask(len - i);
       _mm512_mask_storeu_ps(pg + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), inv));
@@ -72,6 +75,7 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len) {
       pg[pos] = std::exp(pg[pos] - mx);
       sum += pg[pos];
     }
+    if (lse != nullptr) lse[g] = mx + std::log(sum);
     const float inv = 1.f / sum;
     for (int64_t pos = 0; pos < len; ++pos) pg[pos] *= inv;
 #endif
@@ -82,7 +86,7 @@ static void softmax_rows(float* scores, int64_t rows, int64_t len) {
 template <typename T>
 static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t group,
                               int64_t dim, int64_t h, int64_t kv_heads, int64_t block_size, float* probs,
-                              float* acc, float* row) {
+                              float* acc, float* row, float* lse) {
   const int64_t block_stride = 2 * kv_heads * block_size * dim;  // elements per block
   std::fill(acc, acc + group * dim, 0.f);
   // pass 1: scores; each key row is converted once and dotted with every query head
@@ -98,7 +102,7 @@ static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table
       probs[g * len + pos] = s;
     }
   }
-  softmax_rows(probs, group, len);
+  softmax_rows(probs, group, len, lse);
   // pass 2: each value row is converted once and added into every query head's output
   for (int64_t pos = 0; pos < len; ++pos) {
     const T* vt = kv + table[pos / block_size] * block_stride + ((kv_heads + h) * block_size + pos % block_size) * dim;
@@ -154,7 +158,7 @@ static inline void accumulate_row(__m512 (&acc)[G][NV], const __m512 (&v)[NV], c
 // used by all G heads. Walks each block's contiguous [block_size, dim] tile.
 template <typename T, int NV, int G>
 static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t h,
-                              int64_t kv_heads, int64_t block_size, float* probs, float* acc) {
+                              int64_t kv_heads, int64_t block_size, float* probs, float* acc, float* lse) {
   constexpr int64_t dim = NV * 16;
   const int64_t block_stride = 2 * kv_heads * block_size * dim;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
@@ -185,7 +189,7 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
       score_row<NV, G>(reg, k, probs, len, pos);
     }
   }
-  softmax_rows(probs, G, len);
+  softmax_rows(probs, G, len, lse);
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) reg[g][i] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
@@ -243,7 +247,8 @@ static auto by_group(int64_t group, const Make& make) -> decltype(make(std::inte
 // block's heads together measured 30% slower here, cold pool and hot.)
 template <int NB, int G>
 static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int64_t* table, int64_t len, int64_t h,
-                            int64_t kv_heads, int64_t block_size, float scale, float* probs, float* acc) {
+                            int64_t kv_heads, int64_t block_size, float scale, float* probs, float* acc,
+                            float* lse) {
   constexpr int64_t dim = NB * 32;
   const int64_t block_stride = 2 * kv_heads * block_size * dim, value_offset = kv_heads * block_size * dim;
   __m512bh qb[G][NB];
@@ -280,7 +285,7 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
       _mm512_mask_storeu_ps(probs + g * len + pos, tail_mask(n), _mm512_mul_ps(lane_sums16(part), vscale));
     }
   }
-  softmax_rows(probs, G, len);
+  softmax_rows(probs, G, len, lse);
   __m512 reg[G][2 * NB];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 2 * NB; ++i) reg[g][i] = _mm512_setzero_ps();
@@ -310,7 +315,7 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
 }
 
 using Bf16Job = void (*)(const float*, const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float,
-                         float*, float*);
+                         float*, float*, float*);
 
 template <int NB>
 static Bf16Job bf16_group(int64_t group) {
@@ -327,7 +332,8 @@ static Bf16Job bf16_job(int64_t dim, int64_t group) {
 
 // The vector job for this (dim, group), or nullptr where only the portable job applies.
 template <typename T>
-using DecodeJob = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*);
+using DecodeJob = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                           float*);
 
 template <typename T, int NV>
 static DecodeJob<T> pick_group(int64_t group) {
@@ -376,11 +382,13 @@ static inline void from_float(const float* src, T* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// Runs job(b, h, qf, len, probs, acc) for every (sequence, KV head) in parallel: qf holds the
-// group's scaled queries in float32, the job leaves the group's outputs in acc.
+// Runs job(b, h, qf, len, probs, acc, lse) for every (sequence, KV head) in parallel: qf holds
+// the group's scaled queries in float32, the job leaves the group's outputs in acc and, where
+// lse_out ([batch, heads]) is given, their log-sum-exps at lse.
 template <typename T, typename Job>
 static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
-                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Job& job) {
+                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Job& job,
+                          float* lse_out = nullptr) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), probs;
@@ -392,7 +400,7 @@ static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, T* 
         const T* qrow = q + b * q_stride + (h * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
       }
-      job(b, h, qf.data(), len, probs.data(), acc.data());
+      job(b, h, qf.data(), len, probs.data(), acc.data(), lse_out != nullptr ? lse_out + b * heads + h * group : nullptr);
       for (int64_t g = 0; g < group; ++g) from_float(acc.data() + g * dim, out + b * out_stride + (h * group + g) * dim, dim);
     }
   });
@@ -401,16 +409,16 @@ static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, T* 
 template <typename T>
 static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
                           T* out, int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t width, int64_t block_size, float scale) {
+                          int64_t width, int64_t block_size, float scale, float* lse_out) {
   const int64_t group = heads / kv_heads;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (const Bf16Job bf16 = bf16_job(dim, group); bf16 != nullptr) {
       // unscaled queries: the job scales the scores
       return decode_driver(q, q_stride, lens, out, out_stride, batch, heads, kv_heads, dim, 1.f,
-                           [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc) {
-        bf16(qf, kv, tables + b * width, len, h, kv_heads, block_size, scale, probs, acc);
-      });
+                           [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float* lse) {
+        bf16(qf, kv, tables + b * width, len, h, kv_heads, block_size, scale, probs, acc, lse);
+      }, lse_out);
     }
   }
 #endif
@@ -418,19 +426,27 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64
   const DecodeJob<T> job_fn = vector_job<T>(dim, group);
 #endif
   decode_driver(q, q_stride, lens, out, out_stride, batch, heads, kv_heads, dim, scale,
-                [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc) {
+                [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float* lse) {
     const int64_t* table = tables + b * width;
 #if defined(__AVX512F__)
-    if (job_fn != nullptr) return job_fn(qf, kv, table, len, h, kv_heads, block_size, probs, acc);
+    if (job_fn != nullptr) return job_fn(qf, kv, table, len, h, kv_heads, block_size, probs, acc, lse);
 #endif
     thread_local std::vector<float> row;
     row.resize(dim);
-    decode_job_scalar<T>(qf, kv, table, len, group, dim, h, kv_heads, block_size, probs, acc, row.data());
-  });
+    decode_job_scalar<T>(qf, kv, table, len, group, dim, h, kv_heads, block_size, probs, acc, row.data(), lse);
+  }, lse_out);
+}
+
+// float32 [rows, heads] contiguous, for log-sum-exps (cascade attention); nullptr when absent.
+static float* lse_pointer(const c10::optional<torch::Tensor>& lse, int64_t rows, int64_t heads) {
+  if (!lse.has_value()) return nullptr;
+  TORCH_CHECK(lse->scalar_type() == torch::kFloat && lse->is_contiguous() && lse->dim() == 2 && lse->size(0) == rows &&
+              lse->size(1) == heads, "lse must be float32 [rows, heads], contiguous");
+  return lse->data_ptr<float>();
 }
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale) {
+                            torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> lse) {
   // q, out: [batch, heads, dim] with contiguous rows (a batch stride of their own is allowed)
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, dim] rows");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
@@ -445,7 +461,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                             out.stride(0), batch, heads, kv_heads, dim, tables.size(1), block_size,
-                            static_cast<float>(scale));
+                            static_cast<float>(scale), lse_pointer(lse, batch, heads));
   });
 }
 
@@ -658,7 +674,7 @@ void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch:
 // values with the RB rows' accumulators in registers.
 template <int NV, int RB>
 static void prefill_rows(const float* qf, const int64_t* row_len, const float* keys_t, int64_t stride,
-                         const float* values, float* scores, float* acc) {
+                         const float* values, float* scores, float* acc, float* lse) {
   constexpr int64_t dim = NV * 16;
   int64_t max_len = 0;
   for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
@@ -674,7 +690,7 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
   }
   for (int r = 0; r < RB; ++r) {
     float* row = scores + r * stride;
-    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r]);
+    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r], lse != nullptr ? lse + r : nullptr);
     std::fill(row + row_len[r], row + max_len, 0.f);  // keys past a row's position get no weight
   }
   __m512 a[RB][NV];
@@ -701,7 +717,8 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 // the values (as SDPA's flash path does for bf16): 2^-9 relative per weight.
 template <int NV, int RB>
 static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p, int64_t stride,
-                              const uint32_t* values_p, float scale, float* scores, uint32_t* probs_p, float* acc) {
+                              const uint32_t* values_p, float scale, float* scores, uint32_t* probs_p, float* acc,
+                              float* lse) {
   constexpr int64_t dim = NV * 16, pairs = dim / 2;
   int64_t max_len = 0;
   for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
@@ -727,7 +744,7 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
   }
   for (int r = 0; r < RB; ++r) {
     float* row = scores + r * stride;
-    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r]);
+    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r], lse != nullptr ? lse + r : nullptr);
     std::fill(row + row_len[r], row + padded, 0.f);  // keys past a row's position get no weight
     uint32_t* pr = probs_p + r * (stride / 2);
     for (int64_t j = 0; j < padded; j += 32)  // bf16 j, j+1 ... j+31 in order: pair jp = keys 2jp, 2jp+1
@@ -769,10 +786,12 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
 // values) writes sequence b's KV head h: as float32, keys transposed [dim][stride] and values
 // [len][dim]; with kPairs (bf16 pools, prefill_rows_bf16), keys [dim/2][stride] and values
 // [stride/2][dim] of bf16 pairs. Buffers start zeroed, so columns past len weigh nothing.
+// Not causal: every query sees all len keys of its sequence (a cascade's shared prefix). With
+// lse_out ([batch * query_len, heads] float32), each query row's log-sum-exp goes there too.
 template <typename T, int NV, int RB, bool kPairs, typename Fill>
 static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
                            int64_t batch, int64_t query_len, int64_t heads, int64_t kv_heads, float scale,
-                           const Fill& fill) {
+                           const Fill& fill, bool causal, float* lse_out) {
   using Word = std::conditional_t<kPairs, uint32_t, float>;
   constexpr int64_t dim = NV * 16, words = kPairs ? dim / 2 : dim, pad = kPairs ? 32 : 16;
   const int64_t group = heads / kv_heads;
@@ -801,6 +820,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
     std::vector<float> acc(RB * dim), scores(RB * max_stride);
     std::vector<uint32_t> probs(kPairs ? RB * max_stride / 2 : 0);
     int64_t row_len[RB];
+    float lse[RB];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t job = k % 2 == 0 ? k / 2 : jobs - 1 - k / 2;
       const int64_t tile = job % tiles_per_head, bh = job / tiles_per_head;
@@ -813,7 +833,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
           std::fill(qr, qr + words, Word(0));
           continue;
         }
-        row_len[r] = lens[b] - query_len + i + 1;
+        row_len[r] = causal ? lens[b] - query_len + i + 1 : lens[b];
         const T* src = q + (b * query_len + i) * q_stride + (h * group + g) * dim;
         if constexpr (kPairs) {
           std::memcpy(qr, src, dim * sizeof(T));  // bf16 pairs as they are: the scale goes on the scores
@@ -826,15 +846,17 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
       const Word* vs = values.data() + base[b] + h * stride * words;
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)  // only instantiated where it is defined (paged_prefill_attention)
-        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data());
+        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data(),
+                                  lse);
 #endif
       } else {
-        prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data());
+        prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data(), lse);
       }
       for (int r = 0; r < RB; ++r) {
         const int64_t row = tile * RB + r, i = row / group, g = row % group;
-        if (row < query_len * group)
-          from_float(acc.data() + r * dim, out + (b * query_len + i) * out_stride + (h * group + g) * dim, dim);
+        if (row >= query_len * group) continue;
+        from_float(acc.data() + r * dim, out + (b * query_len + i) * out_stride + (h * group + g) * dim, dim);
+        if (lse_out != nullptr) lse_out[(b * query_len + i) * heads + h * group + g] = lse[r];
       }
     }
   });
@@ -844,21 +866,27 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
 // 256 with one query row per tile measured 2x slower than SDPA's causal flash path: none.)
 template <typename T, bool kPairs = false, typename Fill>
 static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride, int64_t batch,
-                        int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill) {
+                        int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill,
+                        bool causal = true, float* lse_out = nullptr) {
   if (dim == 64)
-    prefill_kernel<T, 4, 4, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+    prefill_kernel<T, 4, 4, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
+                                    causal, lse_out);
   else if (dim == 128)
-    prefill_kernel<T, 8, 2, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill);
+    prefill_kernel<T, 8, 2, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
+                                    causal, lse_out);
   else return false;
   return true;
 }
 #endif
 
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                             torch::Tensor seq_lens, int64_t query_len, double scale) {
+                             torch::Tensor seq_lens, int64_t query_len, double scale, bool causal,
+                             c10::optional<torch::Tensor> lse) {
   // q, out: [batch * query_len, heads, dim] rows; sequence b's queries are its last query_len
-  // positions (its K/V, cached prefix included, already in the pool). Returns false, touching
-  // nothing, where this build has no vector path for the shape (the caller falls back).
+  // positions (its K/V, cached prefix included, already in the pool), or with causal false
+  // queries that see all seq_len keys (a cascade's shared prefix; lse [batch * query_len, heads]
+  // gets their log-sum-exps). Returns false, touching nothing, where this build has no vector
+  // path for the shape (the caller falls back).
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
@@ -866,6 +894,7 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
   TORCH_CHECK(q.size(0) == block_tables.size(0) * query_len, "q must hold query_len tokens per sequence");
   bool done = false;
+  float* lse_out = lse_pointer(lse, q.size(0), q.size(1));
 #if defined(__AVX512F__)
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
@@ -892,7 +921,7 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
         };
         done = run_prefill<scalar_t, true>(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(),
                                            out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
-                                           kv_heads, dim, static_cast<float>(scale), fill_pairs);
+                                           kv_heads, dim, static_cast<float>(scale), fill_pairs, causal, lse_out);
         return;
       }
 #endif
@@ -905,11 +934,41 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
       };
       done = run_prefill(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                          out.stride(0), tables.size(0), query_len, heads, kv_heads, dim, static_cast<float>(scale),
-                         fill);
+                         fill, causal, lse_out);
     }
   });
 #endif
   return done;
+}
+
+// out = the softmax-weighted union of two partial attentions over disjoint keys (a cascade's
+// shared prefix and each sequence's own suffix): with a = exp(lse_out - m), b = exp(lse_other - m),
+// m the larger, out = (a * out + b * other) / (a + b), in float32, in place.
+template <typename T>
+static void merge_states_kernel(T* out, const float* lse_out, const T* other, const float* lse_other, int64_t rows,
+                                int64_t dim) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float m = std::max(lse_out[r], lse_other[r]);
+      const float a = std::exp(lse_out[r] - m), b = std::exp(lse_other[r] - m), inv = 1.f / (a + b);
+      T* o = out + r * dim;
+      const T* x = other + r * dim;
+      for (int64_t d = 0; d < dim; ++d)
+        o[d] = static_cast<T>((a * static_cast<float>(o[d]) + b * static_cast<float>(x[d])) * inv);
+    }
+  });
+}
+
+void merge_attention_states_(torch::Tensor out, torch::Tensor lse_out, torch::Tensor other, torch::Tensor lse_other) {
+  // out, other: [rows, heads, dim] contiguous, one dtype; lse_*: float32 [rows, heads]
+  TORCH_CHECK(out.is_contiguous() && other.is_contiguous() && out.sizes() == other.sizes() && out.dim() == 3 &&
+              out.scalar_type() == other.scalar_type(), "out and other must be contiguous [rows, heads, dim] alike");
+  const int64_t rows = out.size(0), heads = out.size(1);
+  const float* a = lse_pointer(lse_out, rows, heads);
+  const float* b = lse_pointer(lse_other, rows, heads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "merge_attention_states_", [&] {
+    merge_states_kernel<scalar_t>(out.data_ptr<scalar_t>(), a, other.data_ptr<scalar_t>(), b, rows * heads, out.size(2));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1496,7 +1555,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
 #endif
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                       out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
-                      [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc) {
+                      [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float*) {
           thread_local std::vector<float> tile;
           tile.resize(bs * dim);
 #if defined(__AVX512F__)
@@ -1535,10 +1594,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
+        "decode attention over a paged KV cache, written into out (log-sum-exps into lse where given): "
+        "(out, q, kv_cache, block_tables, seq_lens, scale, lse)",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("lse") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention for query_len new tokens per sequence over the paged cache, written into out; "
-        "False where unsupported: (out, q, kv_cache, block_tables, seq_lens, query_len, scale)");
+        "causal (or, causal=False, full) attention for query_len new tokens per sequence over the paged cache, "
+        "written into out (log-sum-exps into lse where given); False where unsupported: "
+        "(out, q, kv_cache, block_tables, seq_lens, query_len, scale, causal, lse)",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_len"), py::arg("scale"), py::arg("causal") = true, py::arg("lse") = py::none());
+  m.def("merge_attention_states_", &merge_attention_states_,
+        "out = the union of two partial attentions by their log-sum-exps, in place: (out, lse_out, other, lse_other)");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");
