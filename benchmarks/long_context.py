@@ -125,7 +125,7 @@ def main() -> None:
         for kv_dtype in args.vllm_kv_cache_dtypes.split(","):
             record(vllm_child_result([args.vllm_python, __file__, "--engine", "vllm", "--model", folder,
                                       "--kv-cache-dtypes", kv_dtype], VLLM_CPU_KVCACHE_SPACE=str(KV_GIB)))
-    for kv_dtype in args.kv_cache_dtypes.split(","):
+    for kv_dtype in filter(None, args.kv_cache_dtypes.split(",")):  # "": vLLM only
         record(run_kvserve(kv_dtype))
     print(table(rows))
 

@@ -11,13 +11,16 @@ Workloads (token ids, EOS ignored):
                  32-token answers; each turn resends the whole history (previous prompts and the
                  answers the engine generated), the 8 conversations of a turn as one batch.
 Per run: prompt tokens, prefill tokens computed (prompt - cached), hit rate, mean TTFT
-(arrival to first token; all requests of a batch arrive together), total time.
+(arrival to first token; all requests of a batch arrive together), total time, and a digest of
+the output tokens. kvserve's shared-prefix run is repeated with cascade attention off (a fresh
+engine): same-run time without it, and the same greedy tokens (equal digests).
 This file also runs as the vLLM child process (--engine vllm, in vLLM's own venv).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -76,6 +79,8 @@ def _summary(prompts: list[list[int]], results: list[tuple[list[int], int, float
         "prefill_tokens_computed": prompt_tokens - cached, "hit_rate": cached / prompt_tokens,
         "shared_prefix_tokens": shared_tokens, "shared_served_from_cache": cached / shared_tokens,
         "mean_ttft_s": statistics.mean(r[2] for r in results), "total_s": total,
+        # equal digests: the same output tokens for every request
+        "output_digest": hashlib.sha256(json.dumps([r[0] for r in results]).encode()).hexdigest()[:16],
     }
 
 
@@ -168,6 +173,12 @@ def main() -> None:
         runs.append({"engine": "kvserve", "caching": caching,
                      "results": {name: fn(generate) for name, fn in WORKLOADS.items()}})
         print(json.dumps(runs[-1]), flush=True)
+    if not args.disable_cascade_attn:
+        generate = kvserve_generate(True, args.dtype, cascade=False)
+        generate([[1, 2, 3]], 2)
+        runs.append({"engine": "kvserve, no cascade", "caching": True,
+                     "results": {"shared-prefix": shared_prefix(generate)}})
+        print(json.dumps(runs[-1]), flush=True)
     if args.vllm_python:
         from throughput import export_hf_folder
 
@@ -182,15 +193,15 @@ def main() -> None:
 
 def table(runs: list[dict[str, Any]]) -> str:
     lines = ["| workload | engine | prefix caching | prompt tokens | prefill tokens computed | hit rate | "
-             "shared tokens from cache | mean TTFT | total |", "|---|---|---|---|---|---|---|---|---|"]
+             "shared tokens from cache | mean TTFT | total | output digest |", "|---" * 10 + "|"]
     for name in WORKLOADS:
-        for run in runs:
+        for run in (run for run in runs if name in run["results"]):
             r = run["results"][name]
             on = "on" if run["caching"] else "off"
             lines.append(f"| {name} | {run['engine']} | {on} | {r['prompt_tokens']:,} | "
                          f"{r['prefill_tokens_computed']:,} | {100 * r['hit_rate']:.1f}% | "
                          f"{100 * r['shared_served_from_cache']:.1f}% | {r['mean_ttft_s']:.2f} s | "
-                         f"{r['total_s']:.1f} s |")
+                         f"{r['total_s']:.1f} s | {r['output_digest'][:8]} |")
     return "\n".join(lines)
 
 

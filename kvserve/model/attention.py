@@ -177,24 +177,14 @@ def _quantized_kernel(out: torch.Tensor, query: torch.Tensor, layer: LayerKV, gr
 def cascade_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, cascade: Cascade,
                       query_len: int, scale: float) -> None:
     """Attention into ``out`` [T, H, D] (contiguous) for ``query_len`` queries per sequence
-    ([T, H, D]) whose tables share ``cascade``'s leading blocks (see Cascade)."""
-    rows, heads = query.shape[:2]
-    shared = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    lse_shared = torch.empty(rows, heads, dtype=torch.float32, device=query.device)
-    lse_own = torch.empty_like(lse_shared)
-    prefill, decode, merge = (cpu_op(name) for name in ("paged_prefill_attention", "paged_decode_attention",
-                                                        "merge_attention_states_"))
-    assert prefill is not None and decode is not None and merge is not None, "a cascade needs the C++ kernels"
+    ([T, H, D]) whose tables share ``cascade``'s leading blocks (see Cascade). Both partial
+    results stay float32 until the merge, which rounds once to the model dtype."""
+    kernel = cpu_op("cascade_attention")
+    assert kernel is not None, "a cascade needs the C++ kernels"
     with record_function("kvserve::cascade_attention"):
-        done = prefill(shared, query, kv_cache, cascade.shared_table, cascade.shared_len, rows, scale, causal=False,
-                       lse=lse_shared)
-        if query_len == 1:
-            decode(out, query, kv_cache, cascade.suffix_tables, cascade.suffix_lens, scale, lse=lse_own)
-        else:
-            done = done and prefill(out, query, kv_cache, cascade.suffix_tables, cascade.suffix_lens, query_len, scale,
-                                    lse=lse_own)
-        assert done, "the prefill kernel refused a cascade's part"
-        merge(out, lse_own, shared, lse_shared)
+        done = kernel(out, query, kv_cache, cascade.shared_table, cascade.shared_len, cascade.suffix_tables,
+                      cascade.suffix_lens, query_len, scale)
+    assert done, "the prefill kernel refused a cascade's shape"
 
 
 def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -385,8 +385,8 @@ static inline void from_float(const float* src, T* dst, int64_t n) {
 // Runs job(b, h, qf, len, probs, acc, lse) for every (sequence, KV head) in parallel: qf holds
 // the group's scaled queries in float32, the job leaves the group's outputs in acc and, where
 // lse_out ([batch, heads]) is given, their log-sum-exps at lse.
-template <typename T, typename Job>
-static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
+template <typename T, typename O, typename Job>
+static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride,
                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Job& job,
                           float* lse_out = nullptr) {
   const int64_t group = heads / kv_heads;
@@ -406,9 +406,10 @@ static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, T* 
   });
 }
 
-template <typename T>
+// out in T, or float32 (a cascade's partial results).
+template <typename T, typename O>
 static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
-                          T* out, int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                          O* out, int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                           int64_t width, int64_t block_size, float scale, float* lse_out) {
   const int64_t group = heads / kv_heads;
 #if defined(__AVX512BF16__)
@@ -458,7 +459,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(1) / 2, block_size = kv_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
+    decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                             out.stride(0), batch, heads, kv_heads, dim, tables.size(1), block_size,
                             static_cast<float>(scale), lse_pointer(lse, batch, heads));
@@ -788,8 +789,8 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
 // [stride/2][dim] of bf16 pairs. Buffers start zeroed, so columns past len weigh nothing.
 // Not causal: every query sees all len keys of its sequence (a cascade's shared prefix). With
 // lse_out ([batch * query_len, heads] float32), each query row's log-sum-exp goes there too.
-template <typename T, int NV, int RB, bool kPairs, typename Fill>
-static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride,
+template <typename T, int NV, int RB, bool kPairs, typename O, typename Fill>
+static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride,
                            int64_t batch, int64_t query_len, int64_t heads, int64_t kv_heads, float scale,
                            const Fill& fill, bool causal, float* lse_out) {
   using Word = std::conditional_t<kPairs, uint32_t, float>;
@@ -864,111 +865,147 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, T*
 
 // The prefill kernel for this head size; false where there is no vector path for it. (head_dim
 // 256 with one query row per tile measured 2x slower than SDPA's causal flash path: none.)
-template <typename T, bool kPairs = false, typename Fill>
-static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, T* out, int64_t out_stride, int64_t batch,
+template <typename T, bool kPairs = false, typename O, typename Fill>
+static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride, int64_t batch,
                         int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill,
                         bool causal = true, float* lse_out = nullptr) {
   if (dim == 64)
-    prefill_kernel<T, 4, 4, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
+    prefill_kernel<T, 4, 4, kPairs, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
                                     causal, lse_out);
   else if (dim == 128)
-    prefill_kernel<T, 8, 2, kPairs>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
+    prefill_kernel<T, 8, 2, kPairs, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
                                     causal, lse_out);
   else return false;
   return true;
 }
 #endif
 
+// Prefill (or, causal false, full) attention of the query rows q ([batch * query_len, heads,
+// dim], rows contiguous) over the pool through the tables, into out (T or float32 rows of
+// heads * dim at out_stride); false, touching nothing, where there is no vector path.
+template <typename T, typename O>
+static bool prefill_into(O* out, int64_t out_stride, const torch::Tensor& q, const torch::Tensor& kv_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t query_len,
+                         float scale, bool causal, float* lse_out) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    auto tables = block_tables.contiguous();
+    auto lens = seq_lens.contiguous();
+    const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(1) / 2;
+    const T* kv = kv_cache.data_ptr<T>();
+    const int64_t* tab = tables.data_ptr<int64_t>();
+    const int64_t width = tables.size(1), block_size = kv_cache.size(2);
+    const int64_t block_stride = 2 * kv_heads * block_size * dim;
+    auto row_at = [&](int64_t b, int64_t head, int64_t pos) {
+      return kv + tab[b * width + pos / block_size] * block_stride + (head * block_size + pos % block_size) * dim;
+    };
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
+        for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
+          const uint32_t* krow = reinterpret_cast<const uint32_t*>(row_at(b, h, pos));
+          for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
+        }
+        for (int64_t pos = 0; pos < len; pos += 2)
+          interleave_bf16_rows(row_at(b, kv_heads + h, pos), pos + 1 < len ? row_at(b, kv_heads + h, pos + 1) : nullptr,
+                               vp + pos / 2 * dim, dim);
+      };
+      return run_prefill<T, true>(q.data_ptr<T>(), q.stride(0), lens.data_ptr<int64_t>(), out, out_stride,
+                                  tables.size(0), query_len, heads, kv_heads, dim, scale, fill_pairs, causal, lse_out);
+    }
+#endif
+    auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const T* krow = row_at(b, h, pos);
+        for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
+        to_float(row_at(b, kv_heads + h, pos), vs + pos * dim, dim);
+      }
+    };
+    return run_prefill(q.data_ptr<T>(), q.stride(0), lens.data_ptr<int64_t>(), out, out_stride, tables.size(0),
+                       query_len, heads, kv_heads, dim, scale, fill, causal, lse_out);
+  }
+#endif
+  return false;
+}
+
+static void check_paged_call(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache: one dtype");
+}
+
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                              torch::Tensor seq_lens, int64_t query_len, double scale, bool causal,
                              c10::optional<torch::Tensor> lse) {
   // q, out: [batch * query_len, heads, dim] rows; sequence b's queries are its last query_len
   // positions (its K/V, cached prefix included, already in the pool), or with causal false
-  // queries that see all seq_len keys (a cascade's shared prefix; lse [batch * query_len, heads]
-  // gets their log-sum-exps). Returns false, touching nothing, where this build has no vector
-  // path for the shape (the caller falls back).
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
+  // queries that see all seq_len keys (lse [batch * query_len, heads] gets their log-sum-exps).
+  // Returns false, touching nothing, where this build has no vector path for the shape (the
+  // caller falls back).
+  check_paged_call(q, kv_cache, block_tables, seq_lens);
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q: one dtype");
   TORCH_CHECK(q.size(0) == block_tables.size(0) * query_len, "q must hold query_len tokens per sequence");
   bool done = false;
   float* lse_out = lse_pointer(lse, q.size(0), q.size(1));
-#if defined(__AVX512F__)
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(1) / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      const scalar_t* kv = kv_cache.data_ptr<scalar_t>();
-      const int64_t* tab = tables.data_ptr<int64_t>();
-      const int64_t width = tables.size(1), block_size = kv_cache.size(2);
-      const int64_t block_stride = 2 * kv_heads * block_size * dim;
-      auto row_at = [&](int64_t b, int64_t head, int64_t pos) {
-        return kv + tab[b * width + pos / block_size] * block_stride + (head * block_size + pos % block_size) * dim;
-      };
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
-          for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
-            const uint32_t* krow = reinterpret_cast<const uint32_t*>(row_at(b, h, pos));
-            for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
-          }
-          for (int64_t pos = 0; pos < len; pos += 2)
-            interleave_bf16_rows(row_at(b, kv_heads + h, pos), pos + 1 < len ? row_at(b, kv_heads + h, pos + 1) : nullptr,
-                                 vp + pos / 2 * dim, dim);
-        };
-        done = run_prefill<scalar_t, true>(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(),
-                                           out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
-                                           kv_heads, dim, static_cast<float>(scale), fill_pairs, causal, lse_out);
-        return;
-      }
-#endif
-      auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
-        for (int64_t pos = 0; pos < len; ++pos) {
-          const scalar_t* krow = row_at(b, h, pos);
-          for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
-          to_float(row_at(b, kv_heads + h, pos), vs + pos * dim, dim);
-        }
-      };
-      done = run_prefill(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                         out.stride(0), tables.size(0), query_len, heads, kv_heads, dim, static_cast<float>(scale),
-                         fill, causal, lse_out);
-    }
+    done = prefill_into<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), q, kv_cache, block_tables,
+                                            seq_lens, query_len, static_cast<float>(scale), causal, lse_out);
   });
-#endif
   return done;
 }
 
-// out = the softmax-weighted union of two partial attentions over disjoint keys (a cascade's
-// shared prefix and each sequence's own suffix): with a = exp(lse_out - m), b = exp(lse_other - m),
-// m the larger, out = (a * out + b * other) / (a + b), in float32, in place.
-template <typename T>
-static void merge_states_kernel(T* out, const float* lse_out, const T* other, const float* lse_other, int64_t rows,
-                                int64_t dim) {
-  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float m = std::max(lse_out[r], lse_other[r]);
-      const float a = std::exp(lse_out[r] - m), b = std::exp(lse_other[r] - m), inv = 1.f / (a + b);
-      T* o = out + r * dim;
-      const T* x = other + r * dim;
-      for (int64_t d = 0; d < dim; ++d)
-        o[d] = static_cast<T>((a * static_cast<float>(o[d]) + b * static_cast<float>(x[d])) * inv);
+// Cascade attention (attention.Cascade): query_len queries per sequence over a prefix of
+// shared blocks all of them see (one full prefill-kernel call, the queries as its rows) and
+// each sequence's own blocks (decode kernel, or causal prefill kernel), both into float32 with
+// their log-sum-exps, merged: with a = exp(lse_own - m), b = exp(lse_shared - m), m the larger,
+// out = (a * own + b * shared) / (a + b), rounded once to the model dtype. Returns false,
+// touching nothing, where the prefill kernel has no vector path for the shape.
+bool cascade_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor shared_table,
+                       torch::Tensor shared_len, torch::Tensor own_tables, torch::Tensor own_lens, int64_t query_len,
+                       double scale) {
+  check_paged_call(q, kv_cache, own_tables, own_lens);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, shaped and typed like q");
+  TORCH_CHECK(shared_table.size(0) == 1 && q.size(0) == own_tables.size(0) * query_len, "one shared prefix, "
+              "query_len queries per sequence");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), width = q.size(1) * q.size(2);
+  auto as_float = torch::TensorOptions().dtype(torch::kFloat);
+  auto shared = torch::empty({rows, heads, dim}, as_float), own = torch::empty({rows, heads, dim}, as_float);
+  auto lse_shared = torch::empty({rows, heads}, as_float), lse_own = torch::empty({rows, heads}, as_float);
+  const float sc = static_cast<float>(scale);
+  bool done = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "cascade_attention", [&] {
+    done = prefill_into<scalar_t, float>(shared.data_ptr<float>(), width, q, kv_cache, shared_table, shared_len, rows,
+                                         sc, false, lse_shared.data_ptr<float>());
+    if (!done) return;
+    if (query_len == 1) {
+      auto tables = own_tables.contiguous();
+      auto lens = own_lens.contiguous();
+      decode_kernel<scalar_t, float>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
+                                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), own.data_ptr<float>(), width,
+                                     rows, heads, kv_cache.size(1) / 2, dim, tables.size(1), kv_cache.size(2), sc,
+                                     lse_own.data_ptr<float>());
+    } else {
+      done = prefill_into<scalar_t, float>(own.data_ptr<float>(), width, q, kv_cache, own_tables, own_lens, query_len,
+                                           sc, true, lse_own.data_ptr<float>());
+      if (!done) return;
     }
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const float *x = own.data_ptr<float>(), *y = shared.data_ptr<float>();
+    const float *lx = lse_own.data_ptr<float>(), *ly = lse_shared.data_ptr<float>();
+    at::parallel_for(0, rows * heads, row_grain(dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float m = std::max(lx[r], ly[r]);
+        const float a = std::exp(lx[r] - m), b = std::exp(ly[r] - m), inv = 1.f / (a + b);
+        for (int64_t d = 0; d < dim; ++d)
+          o[r * dim + d] = static_cast<scalar_t>((a * x[r * dim + d] + b * y[r * dim + d]) * inv);
+      }
+    });
   });
-}
-
-void merge_attention_states_(torch::Tensor out, torch::Tensor lse_out, torch::Tensor other, torch::Tensor lse_other) {
-  // out, other: [rows, heads, dim] contiguous, one dtype; lse_*: float32 [rows, heads]
-  TORCH_CHECK(out.is_contiguous() && other.is_contiguous() && out.sizes() == other.sizes() && out.dim() == 3 &&
-              out.scalar_type() == other.scalar_type(), "out and other must be contiguous [rows, heads, dim] alike");
-  const int64_t rows = out.size(0), heads = out.size(1);
-  const float* a = lse_pointer(lse_out, rows, heads);
-  const float* b = lse_pointer(lse_other, rows, heads);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "merge_attention_states_", [&] {
-    merge_states_kernel<scalar_t>(out.data_ptr<scalar_t>(), a, other.data_ptr<scalar_t>(), b, rows * heads, out.size(2));
-  });
+  return done;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1604,8 +1641,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(out, q, kv_cache, block_tables, seq_lens, query_len, scale, causal, lse)",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_len"), py::arg("scale"), py::arg("causal") = true, py::arg("lse") = py::none());
-  m.def("merge_attention_states_", &merge_attention_states_,
-        "out = the union of two partial attentions by their log-sum-exps, in place: (out, lse_out, other, lse_other)");
+  m.def("cascade_attention", &cascade_attention,
+        "attention over a prefix of blocks every sequence shares (read once) and each sequence's own blocks, "
+        "merged by log-sum-exps, into out; False where unsupported: (out, q, kv_cache, shared_table, shared_len, "
+        "own_tables, own_lens, query_len, scale)");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");
