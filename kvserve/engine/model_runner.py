@@ -38,8 +38,8 @@ def one_query_per_token(chunk: ScheduledChunk) -> bool:
 
 # When a decode batch reads a prefix all its sequences share once for all of them (cascade):
 # at least CASCADE_MIN_BATCH queries, and shared tokens x queries >= CASCADE_MIN_READS. Measured
-# (bf16, 9/3 heads of 64, 2 threads): below these the extra kernel calls and the shared keys'
-# transposition cost more than the reads saved (12 x 256: 0.64x; 32 x 256: 1.06x; 32 x 992: 1.57x).
+# (benchmarks/cascade_kernel.py: bf16, 9/3 heads of 64, 2 threads): below these the extra work
+# costs more than the reads saved (12 x 256: 0.78x; 24 x 512: 1.19x; 32 x 992: 1.56x).
 CASCADE_MIN_BATCH = 12
 CASCADE_MIN_READS = 12288
 
