@@ -446,14 +446,20 @@ static float* lse_pointer(const c10::optional<torch::Tensor>& lse, int64_t rows,
   return lse->data_ptr<float>();
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> lse) {
-  // q, out: [batch, heads, dim] with contiguous rows (a batch stride of their own is allowed)
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, dim] rows");
-  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
+static void check_paged_call(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache: one dtype");
+}
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                            torch::Tensor seq_lens, double scale) {
+  // q, out: [batch, heads, dim] with contiguous rows (a batch stride of their own is allowed)
+  check_paged_call(q, kv_cache, block_tables, seq_lens);
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q: one dtype");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
@@ -462,7 +468,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
     decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                             out.stride(0), batch, heads, kv_heads, dim, tables.size(1), block_size,
-                            static_cast<float>(scale), lse_pointer(lse, batch, heads));
+                            static_cast<float>(scale), nullptr);
   });
 }
 
@@ -926,14 +932,6 @@ static bool prefill_into(O* out, int64_t out_stride, const torch::Tensor& q, con
   }
 #endif
   return false;
-}
-
-static void check_paged_call(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache: one dtype");
 }
 
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -1631,10 +1629,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, written into out (log-sum-exps into lse where given): "
-        "(out, q, kv_cache, block_tables, seq_lens, scale, lse)",
-        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("lse") = py::none());
+        "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal (or, causal=False, full) attention for query_len new tokens per sequence over the paged cache, "
         "written into out (log-sum-exps into lse where given); False where unsupported: "
