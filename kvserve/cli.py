@@ -177,9 +177,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    if args.max_streaming_tokens < 1:
+        raise ConfigError(f"--max-streaming-tokens must be positive, got {args.max_streaming_tokens}")
     tuned = TunedWorkload.parse(args.tuned_workload, "--tuned-workload") if args.tuned_workload else None
     server_config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                                 max_waiting=args.max_waiting, max_logprobs=args.max_logprobs, tuned_workload=tuned)
+                                 max_waiting=args.max_waiting, max_logprobs=args.max_logprobs,
+                                 max_streaming_tokens=args.max_streaming_tokens, tuned_workload=tuned)
     if args.ray:
         cluster = ClusterConfig(num_replicas=args.num_replicas, router=args.router, ray_address=args.ray_address,
                                 cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
@@ -236,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
     server.add_argument("--max-logprobs", type=int, default=20,
                         help="most logprobs / top_logprobs a request may ask for (default: %(default)s)")
+    server.add_argument("--max-streaming-tokens", type=int, default=32768,
+                        help="most tokens a request with kv_eviction=streaming may generate; such a request may run "
+                             "past --max-model-len (default: %(default)s)")
     server.add_argument("--tuned-workload", default=None,
                         help="JSON (a mapping in a --config file): the workload kvserve tune measured; /metrics then "
                              "exports kvserve:config_drift and config_retune_needed")

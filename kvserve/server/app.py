@@ -56,6 +56,8 @@ class ServerConfig:
     max_waiting: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_logprobs: int = 20  # vLLM's --max-logprobs
+    # a streaming (windowed) request may run past max_model_len; this bounds how far
+    max_streaming_tokens: int = 32768
     tuned_workload: TunedWorkload | None = None  # kvserve tune's record: /metrics exports config_drift
 
 
@@ -165,8 +167,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                            param="messages" if chat else "prompt")
         requested = body.requested_max_tokens()
         param = body.max_tokens_field()
-        # a streaming request's attention stays within its window: it may generate past max_model_len
-        if requested is not None and requested > room and not engine.engine.streams(body.kv_eviction):
+        # a streaming request's attention stays within its window: it may generate past max_model_len,
+        # up to the server's --max-streaming-tokens
+        if engine.engine.streams(body.kv_eviction):
+            if requested is not None and requested > config.max_streaming_tokens:
+                raise APIError(400, f"{param}={requested} is more than the server's max_streaming_tokens="
+                               f"{config.max_streaming_tokens} for a request with kv_eviction=streaming", param=param)
+        elif requested is not None and requested > room:
             raise APIError(400, f"{param}={requested} is more than the {room} tokens left after the prompt's "
                            f"{prompt_tokens} tokens in max_model_len={max_model_len}", param=param)
         # OpenAI's defaults: 16 for completions, as much as fits for chat
