@@ -327,10 +327,53 @@ def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype) -> None:
     qk = apply_rope(qkv[:, : heads + kv_heads], cos.to(dtype)[:, None], signed_sin.to(dtype)[:, None])
     LayerKV.float_pool(pool_ref).write(qk[:, heads:], qkv[:, heads + kv_heads :], meta.write)
     fused = qkv.clone()
-    rope_and_write_kv(fused, cos, signed_sin, pool, meta, heads)
+    assert rope_and_write_kv(fused, cos, signed_sin, LayerKV.float_pool(pool), meta, heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused[:, :heads].float(), qk[:, :heads].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 40)])
+def test_fused_rope_and_int8_write_quantizes_as_torch_does(dtype: torch.dtype, dim: int) -> None:
+    """Into an int8 pool with static key scales, the fused op stores what the torch path stores
+    for the keys it rotated: the same codes, value scales and clip count (scales small enough
+    that some keys clip; head_dim 40 ends past the last 16 lanes). Pools it does not serve
+    (per-block keys, int4, fp8) are left untouched."""
+    from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
+
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, block_size, blocks = 7, 9, 3, 4, 9
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim) * 3).to(dtype)
+    angles = torch.rand(tokens, dim // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    slots = torch.tensor([4, 5, 6, 7, 9, 13, 30])
+    write = KVWriteIndex(kv_write_rows(slots, block_size, 2 * kv_heads), kv_write_rows(slots, block_size, kv_heads),
+                         None)
+    meta = AttentionMetadata(slots, write, [])
+    key_scales = (torch.rand(1, kv_heads, dim) + 0.5) * 5  # /127 per channel: ~2% of keys clip
+    caches = [PagedKVCache(1, blocks, block_size, kv_heads, dim, dtype, torch.device("cpu"),
+                           KVQuantSpec("int8", key_scales=key_scales)) for _ in range(2)]
+    for cache in caches:
+        cache.zero_new_blocks(blocks - 1)
+        cache.layers[0].value_scales.fill_(-1.0)
+    fused, ref = caches[0].layers[0], caches[1].layers[0]
+    rotated = qkv.clone()
+    assert rope_and_write_kv(rotated, cos, signed_sin, fused, meta, heads)
+    ref.write(rotated[:, heads : heads + kv_heads], rotated[:, heads + kv_heads :], write)
+    assert torch.equal(fused.data, ref.data)
+    assert torch.equal(fused.value_scales, ref.value_scales)
+    assert int(fused.clipped) == int(ref.clipped) > 0 and fused.checked == ref.checked
+    qk = apply_rope(qkv[:, : heads + kv_heads], cos.to(dtype)[:, None], signed_sin.to(dtype)[:, None])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(rotated[:, : heads + kv_heads].float(), qk.float(), atol=tol, rtol=tol)
+    for kind, scales in (("int8", None), ("int4", None), ("fp8_e4m3", None)):
+        other = PagedKVCache(1, blocks, block_size, kv_heads, dim, dtype, torch.device("cpu"),
+                             KVQuantSpec(kind, key_scales=scales)).layers[0]
+        before, untouched = other.data.clone(), qkv.clone()
+        assert not rope_and_write_kv(untouched, cos, signed_sin, other, meta, heads)
+        assert torch.equal(other.data, before) and torch.equal(untouched, qkv)
 
 
 @pytest.mark.parametrize("window", [0, 100])

@@ -87,14 +87,29 @@ def use_prefill_kernel(device_type: str, head_dim: int, dtype: torch.dtype) -> b
                    torch.ones(1, dtype=torch.long), 1, 1.0))
 
 
-def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata, num_heads: int) -> None:
+def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, layer: LayerKV,
+                      meta: AttentionMetadata, num_heads: int) -> bool:
     """C++ op: rotary on qkv's query and key heads in place ([T, H + 2*KVH, D], contiguous;
-    cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot."""
-    kernel = cpu_op("rope_and_write_kv")
-    assert kernel is not None
-    with record_function("kvserve::rope_and_write_kv"):
-        kernel(qkv, cos, signed_sin, kv_cache, meta.slot_mapping, num_heads)
+    cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot: as they
+    are into a pool of the model's dtype, quantized into an int8 pool with static key scales
+    (as kv_quant.quantize would: codes, value scales and clip count). False, touching nothing,
+    for any other pool (the caller then ropes and writes through torch)."""
+    if layer.holds_as_is(qkv.dtype):
+        kernel = cpu_op("rope_and_write_kv")
+        assert kernel is not None
+        with record_function("kvserve::rope_and_write_kv"):
+            kernel(qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads)
+        return True
+    if layer.kind != "int8" or layer.keeps_tail_block or layer.per_block_key_scales or \
+            layer.value_scale_override is not None or layer.key_rotation is not None:
+        return False
+    kernel = cpu_op("rope_and_write_kv_int8")
+    assert kernel is not None and layer.key_scales is not None and layer.value_scales is not None
+    with record_function("kvserve::rope_and_write_kv_int8"):
+        kernel(qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads, layer.key_scales, layer.value_scales,
+               layer.clipped)
+    layer.checked += qkv.shape[0] * layer.key_scales.numel()  # key elements that passed the static scales
+    return True
 
 
 def kv_write_rows(slot_mapping: torch.Tensor, block_size: int, heads: int) -> torch.Tensor:

@@ -227,9 +227,8 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
         rewrite = meta.query_observer is None  # an observed recompute reads the K/V already cached
-        if meta.fused_rope_write and self.q_norm is None and kv.holds_as_is(qkv.dtype) \
-                and meta.kv_observer is None and rewrite:
-            rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv.data, meta, heads)
+        if meta.fused_rope_write and self.q_norm is None and meta.kv_observer is None and rewrite \
+                and rope_and_write_kv(qkv, rope.cos32, rope.sin32, kv, meta, heads):
             q = qkv[:, :heads]
         elif self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(F.rms_norm(qkv[:, :heads], (self.head_dim,), self.q_norm, self.eps), rope.cos, rope.sin)

@@ -10,6 +10,8 @@
 // quantize_rows_int8 / scale_rows_: the two ends of an int8 linear layer (W8A8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -472,21 +474,26 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   });
 }
 
+// Rotary on one token's first `rotated` heads of qkv, in place (x: dim floats of scratch).
+template <typename T>
+static inline void rope_token(T* token, const float* c, const float* s, int64_t rotated, int64_t dim, float* x) {
+  const int64_t half = dim / 2;  // s: the first half negated, rotate_half's sign folded in
+  for (int64_t hd = 0; hd < rotated; ++hd) {
+    T* p = token + hd * dim;
+    for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(p[d]);
+    for (int64_t d = 0; d < half; ++d) p[d] = static_cast<T>(x[d] * c[d] + x[d + half] * s[d]);
+    for (int64_t d = half; d < dim; ++d) p[d] = static_cast<T>(x[d] * c[d] + x[d - half] * s[d]);
+  }
+}
+
 template <typename T>
 static void rope_write_kernel(T* qkv, const float* cos, const float* sin, T* kv, const int64_t* slots,
                               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size) {
-  const int64_t half = dim / 2, row = (heads + 2 * kv_heads) * dim;
+  const int64_t row = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> x(dim);
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos + t * dim;
-      const float* s = sin + t * dim;  // first half negated: rotate_half's sign folded in
-      for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
-        T* p = qkv + t * row + hd * dim;
-        for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(p[d]);
-        for (int64_t d = 0; d < half; ++d) p[d] = static_cast<T>(x[d] * c[d] + x[d + half] * s[d]);
-        for (int64_t d = half; d < dim; ++d) p[d] = static_cast<T>(x[d] * c[d] + x[d - half] * s[d]);
-      }
+      rope_token(qkv + t * row, cos + t * dim, sin + t * dim, heads + kv_heads, dim, x.data());
       const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;
       for (int64_t j = 0; j < 2 * kv_heads; ++j) {  // K heads then V heads, as in the block layout
         const T* src = qkv + t * row + (heads + j) * dim;
@@ -497,21 +504,130 @@ static void rope_write_kernel(T* qkv, const float* cos, const float* sin, T* kv,
   });
 }
 
+static void check_rope_call(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be contiguous [tokens, heads, dim]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "float32 cos/sin");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "contiguous cos/sin");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 4, "contiguous pool [blocks, 2*kv_heads, block, row]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong, "int64 slots");
+}
+
 void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache,
                        torch::Tensor slot_mapping, int64_t heads) {
   // qkv [tokens, heads + 2*kv_heads, dim] contiguous: rotary applied in place to the query and
   // key heads, then the token's K and V heads are copied into its slot of the pool.
-  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be contiguous [tokens, heads, dim]");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "float32 cos/sin");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "contiguous cos/sin");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == qkv.scalar_type(), "pool dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong, "int64 slots");
+  check_rope_call(qkv, cos, sin, kv_cache, slot_mapping);
+  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type(), "pool dtype");
   auto slots = slot_mapping.contiguous();
   const int64_t kv_heads = kv_cache.size(1) / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_write_kv", [&] {
     rope_write_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                 kv_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), qkv.size(0), heads,
                                 kv_heads, qkv.size(2), kv_cache.size(2));
+  });
+}
+
+// The int8 write must store exactly what kv_quant.quantize stores (a fused and an unfused step
+// then cache the same bytes): true float32 divisions, not -ffast-math's reciprocals.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+// int8 code of x / scale as kv_quant.quantize makes it: float32 division, round half to even, clipped to +-127.
+static inline int8_t int8_code(float x, float scale) {
+  return static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x / scale))));
+}
+
+// dst[d] = int8_code(x[d], scale[d]) for d < dim (scale: a per-channel row, or one value), and the
+// number of |x[d]| > 127.5 * scale[d] (counted where asked).
+template <typename T>
+static inline int64_t int8_codes(const T* x, const float* scale, bool per_channel, int64_t dim, int8_t* dst,
+                                 bool count) {
+  int64_t clipped = 0, d = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    const __m512 top = _mm512_set1_ps(127.f), bottom = _mm512_set1_ps(-127.f), limit = _mm512_set1_ps(127.5f);
+    for (; d + 16 <= dim; d += 16) {
+      const __m512 v = load16(x + d), s = per_channel ? _mm512_loadu_ps(scale + d) : _mm512_set1_ps(*scale);
+      if (count) clipped += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_mul_ps(s, limit),
+                                                                  _CMP_GT_OQ));
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(top, _mm512_max_ps(bottom, q)))));
+    }
+  }
+#endif
+  for (; d < dim; ++d) {
+    const float v = static_cast<float>(x[d]), s = per_channel ? scale[d] : *scale;
+    if (count) clipped += std::fabs(v) > s * 127.5f;
+    dst[d] = int8_code(v, s);
+  }
+  return clipped;
+}
+
+// rope_write_kernel for an int8 pool with static key scales: each key element quantized by its
+// channel's scale (elements beyond 127.5 scales counted as clipped), each value head by its own
+// scale max|v| / 127 (at least 1e-8), stored in value_scales [blocks, kv_heads, block_size].
+template <typename T>
+static int64_t rope_write_int8_kernel(T* qkv, const float* cos, const float* sin, int8_t* kv, float* value_scales,
+                                      const float* key_scales, const int64_t* slots, int64_t tokens, int64_t heads,
+                                      int64_t kv_heads, int64_t dim, int64_t block_size) {
+  const int64_t row = (heads + 2 * kv_heads) * dim;
+  std::atomic<int64_t> clipped{0};
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim);
+    int64_t local = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      rope_token(qkv + t * row, cos + t * dim, sin + t * dim, heads + kv_heads, dim, x.data());
+      const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;
+      for (int64_t j = 0; j < kv_heads; ++j) {
+        const T* k = qkv + t * row + (heads + j) * dim;
+        local += int8_codes(k, key_scales + j * dim, true, dim,
+                            kv + ((block * 2 * kv_heads + j) * block_size + offset) * dim, true);
+      }
+      for (int64_t j = 0; j < kv_heads; ++j) {
+        const T* v = qkv + t * row + (heads + kv_heads + j) * dim;
+        float top = 0.f;
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        if constexpr (!std::is_same_v<T, double>) {
+          __m512 tops = _mm512_setzero_ps();
+          for (; d + 16 <= dim; d += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(load16(v + d)));
+          top = _mm512_reduce_max_ps(tops);
+        }
+#endif
+        for (; d < dim; ++d) top = std::max(top, std::fabs(static_cast<float>(v[d])));
+        const float scale = std::max(top / 127.f, 1e-8f);
+        value_scales[(block * kv_heads + j) * block_size + offset] = scale;
+        int8_codes(v, &scale, false, dim, kv + ((block * 2 * kv_heads + kv_heads + j) * block_size + offset) * dim,
+                   false);
+      }
+    }
+    clipped += local;
+  });
+  return clipped.load();
+}
+#pragma GCC pop_options
+
+void rope_and_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache,
+                            torch::Tensor slot_mapping, int64_t heads, torch::Tensor key_scales,
+                            torch::Tensor value_scales, torch::Tensor clipped) {
+  // rope_and_write_kv for an int8 pool (uint8 bytes) with static key scales [kv_heads, dim]
+  // (float32) and per-token value scales [blocks, kv_heads, block_size, 1] (float32); the
+  // count of clipped key elements is added to clipped (an int64 scalar).
+  check_rope_call(qkv, cos, sin, kv_cache, slot_mapping);
+  const int64_t kv_heads = kv_cache.size(1) / 2, dim = qkv.size(2);
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kByte && kv_cache.size(3) == dim, "int8 pool rows of head_dim bytes");
+  TORCH_CHECK(key_scales.scalar_type() == torch::kFloat && key_scales.is_contiguous() &&
+              key_scales.numel() == kv_heads * dim, "static float32 key scales [kv_heads, dim]");
+  TORCH_CHECK(value_scales.scalar_type() == torch::kFloat && value_scales.is_contiguous() &&
+              value_scales.numel() == kv_cache.size(0) * kv_heads * kv_cache.size(2), "float32 value scales");
+  TORCH_CHECK(clipped.scalar_type() == torch::kLong && clipped.numel() == 1, "int64 clip counter");
+  auto slots = slot_mapping.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_write_kv_int8", [&] {
+    clipped.add_(rope_write_int8_kernel<scalar_t>(
+        qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        reinterpret_cast<int8_t*>(kv_cache.data_ptr<uint8_t>()), value_scales.data_ptr<float>(),
+        key_scales.data_ptr<float>(), slots.data_ptr<int64_t>(), qkv.size(0), heads, kv_heads, dim, kv_cache.size(2)));
   });
 }
 
@@ -1628,6 +1744,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "key_scales, value_scales, v_scale, lut, tail, tail_slots, block_tables, seq_lens, query_len, scale)");
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
+  m.def("rope_and_write_kv_int8", &rope_and_write_kv_int8,
+        "rope_and_write_kv into an int8 pool: keys by static per-channel scales, values per token: (qkv, cos, sin, "
+        "kv_cache, slots, heads, key_scales, value_scales, clipped)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
