@@ -1,7 +1,7 @@
 """The decode step per KV dtype at long context and high concurrency (issue 19, target 2).
 
     python benchmarks/decode_step.py --kv-scales docs/results/smollm2_kv_scales.json \\
-        --out docs/results/decode_step_32x4096.json
+        --out docs/results/decode_step_32x4096.json [--block-size 64]
 
 One engine per KV dtype (bf16 model, 2 threads, prefix caching off, memory for every sequence):
 ``--batch`` sequences of ``--context`` random prompt tokens are prefilled, then the median wall
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--kv-scales", default=None, help="calibration file (static int8 key scales)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -51,7 +52,7 @@ def main() -> None:
             kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
             memory = 5 * 23040 * args.batch * (args.context + args.steps + 64) // 4  # 16-bit KV for all, + 25%
             llm = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory, enable_prefix_caching=False,
-                      max_num_seqs=args.batch, max_num_batched_tokens=2048, **kwargs)
+                      max_num_seqs=args.batch, max_num_batched_tokens=2048, block_size=args.block_size, **kwargs)
             bytes_per_token[kv_dtype] = llm.engine.kv_bytes_per_token
             runs[kv_dtype].append(decode_steps(llm, args.batch, args.context, args.steps, profiled=3))
             print(kv_dtype, runs[kv_dtype][-1], flush=True)

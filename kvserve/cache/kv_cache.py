@@ -64,6 +64,10 @@ class TailPlan(NamedTuple):
     stage_from_tail: torch.Tensor
     post_tokens: torch.Tensor  # tokens of a new, still partial last block: into the tail last
     post_rows: torch.Tensor
+    # where every sequence's tokens of the step lie in one block (decode): each token's tail row,
+    # and the tail rows of each block that fills (in block_ids order); empty otherwise
+    token_rows: torch.Tensor
+    fill_rows: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -414,14 +418,25 @@ class TailKV(LayerKV):
         tail = self.tail.view(-1, *new.shape[1:])
         tail.index_copy_(0, plan.pre_rows, new.index_select(0, plan.pre_tokens))
         if plan.block_ids.numel():
-            num, block_size = plan.block_ids.numel(), self.data.shape[2]
-            stage = new.new_empty((num * block_size, *new.shape[1:]))
+            stage = new.new_empty((plan.block_ids.numel() * self.data.shape[2], *new.shape[1:]))
             stage.index_copy_(0, plan.stage_token_rows, new.index_select(0, plan.stage_tokens))
             stage.index_copy_(0, plan.stage_from_tail, tail.index_select(0, plan.stage_tail_rows))
-            stage = stage.view(num, block_size, *new.shape[1:])
-            kv_heads = key.shape[1]
-            self.quantize_blocks(stage[:, :, :kv_heads], stage[:, :, kv_heads:], plan.block_ids)
+            self._quantize_staged(stage, plan.block_ids)
         tail.index_copy_(0, plan.post_rows, new.index_select(0, plan.post_tokens))
+
+    def quantize_filled_from_tail(self, plan: TailPlan) -> None:
+        """After every token of the step went to its tail row (``plan.token_rows``, the fused
+        rotary + write op): quantize the blocks that filled, straight from their tail slots."""
+        if plan.block_ids.numel():
+            assert self.tail is not None
+            tail = self.tail.view(-1, *self.tail.shape[2:])
+            self._quantize_staged(tail.index_select(0, plan.fill_rows), plan.block_ids)
+
+    def _quantize_staged(self, stage: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """stage [num * block_size, 2*kv_heads, dim]: whole blocks in token order, into ``block_ids``."""
+        stage = stage.view(block_ids.numel(), self.data.shape[2], *stage.shape[1:])
+        kv_heads = stage.shape[2] // 2
+        self.quantize_blocks(stage[:, :, :kv_heads], stage[:, :, kv_heads:], block_ids)
 
 
 @register(("int8", "block"))

@@ -181,6 +181,7 @@ class ModelRunner:
         bs = self.block_size
         lists: dict[str, list[int]] = {name: [] for name in TailPlan._fields}
         token = 0
+        one_block = True  # every chunk within one block: the fused op writes all tokens to the tails
         for chunk in chunks:
             request = chunk.request
             end = self._cache_len(chunk)  # cache positions: eviction or compaction moved tokens up
@@ -188,6 +189,11 @@ class ModelRunner:
             slot = self.kv.tail_slot(request.request_id, kv_group)
             table = self.kv.block_ids(request.request_id, kv_group)
             first_new = start // bs
+            one_block = one_block and (end - 1) // bs == first_new
+            if one_block:
+                lists["token_rows"] += range(slot * bs + start % bs, slot * bs + (end - 1) % bs + 1)
+                if end % bs == 0:
+                    lists["fill_rows"] += range(slot * bs, slot * bs + bs)
             if start % bs:  # continue the partial block held in the tail slot
                 stop = min(end, (first_new + 1) * bs)
                 lists["pre_tokens"] += range(token, token + stop - start)
@@ -208,6 +214,8 @@ class ModelRunner:
                 lists["post_tokens"] += range(token + last * bs - start, token + end - start)
                 lists["post_rows"] += range(slot * bs, slot * bs + end % bs)
             token += chunk.num_tokens
+        if not one_block:
+            lists["token_rows"], lists["fill_rows"] = [], []
         return TailPlan(*(torch.tensor(lists[name], dtype=torch.long, device=self.device)
                           for name in TailPlan._fields))
 

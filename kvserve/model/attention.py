@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
+from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, TailKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
 
@@ -92,13 +92,27 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
     """C++ op: rotary on qkv's query and key heads in place ([T, H + 2*KVH, D], contiguous;
     cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot: as they
     are into a pool of the model's dtype, quantized into an int8 pool with static key scales
-    (as kv_quant.quantize would: codes, value scales and clip count). False, touching nothing,
-    for any other pool (the caller then ropes and writes through torch)."""
+    (as kv_quant.quantize would: codes, value scales and clip count), or, for pools that keep a
+    full-precision tail block (int4, per-block int8) in a step where each sequence's tokens lie
+    in one block (decode), into the tail slots, quantizing the blocks that fill as the torch path
+    does. False, touching nothing, for anything else (the caller then ropes and writes in torch)."""
     if layer.holds_as_is(qkv.dtype):
         kernel = cpu_op("rope_and_write_kv")
         assert kernel is not None
         with record_function("kvserve::rope_and_write_kv"):
             kernel(qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads)
+        return True
+    plan = meta.write.tail
+    if isinstance(layer, TailKV) and layer.tail is not None and plan is not None \
+            and plan.token_rows.numel() == qkv.shape[0] and layer.tail.dtype == qkv.dtype:
+        # every token into its tail row (the tail seen as a pool of one-token blocks), then the
+        # blocks that filled are quantized from their tail slots
+        kernel = cpu_op("rope_and_write_kv")
+        assert kernel is not None
+        tail = layer.tail.view(-1, layer.tail.shape[2], 1, layer.tail.shape[3])
+        with record_function("kvserve::rope_and_write_kv"):
+            kernel(qkv, cos, signed_sin, tail, plan.token_rows, num_heads)
+        layer.quantize_filled_from_tail(plan)
         return True
     if layer.kind != "int8" or layer.keeps_tail_block or layer.per_block_key_scales or \
             layer.value_scale_override is not None or layer.key_rotation is not None:
