@@ -3,7 +3,7 @@
 
     python benchmarks/long_context.py --kv-cache-dtypes auto,fp8_e4m3,int8,int4 \\
         --vllm-python /work/vllm-venv/bin/python --vllm-kv-cache-dtypes auto,fp8_e4m3 \\
-        --out docs/results/long_context.json
+        --out docs/results/long_context.json [--kv-scales docs/results/smollm2_kv_scales.json]
 
 Workload (workloads.long_context): 64 requests of 2,000-6,000 random prompt token ids and
 128-512 output tokens (EOS ignored), all submitted at once. bf16 model, 2 threads, 2 GiB of KV,
@@ -44,7 +44,7 @@ def summary(engine: str, kv_dtype: str, seconds: float, output_tokens: int, tpot
             "tpot_p99_ms": 1000 * _percentile(tpots, 0.99), "preemptions": preemptions, "peak_kv_usage": peak_kv}
 
 
-def run_kvserve(kv_dtype: str) -> dict[str, Any]:
+def run_kvserve(kv_dtype: str, kv_scales: str | None = None) -> dict[str, Any]:
     import torch
 
     from kvserve import LLM, SamplingParams
@@ -52,7 +52,8 @@ def run_kvserve(kv_dtype: str) -> dict[str, Any]:
     torch.set_num_threads(2)
     work = WORKLOADS["long"]()
     llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_memory=f"{KV_GIB}GiB",
-              max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+              max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
+              kv_scales=kv_scales if kv_dtype == "int8" else None)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     start = time.perf_counter()
@@ -61,7 +62,10 @@ def run_kvserve(kv_dtype: str) -> dict[str, Any]:
     assert sum(len(o.token_ids) for o in outs) == work.output_tokens
     tpots = [(o.metrics["e2e"] - o.metrics["ttft"]) / (len(o.token_ids) - 1) for o in outs]
     stats = llm.kv_stats()
-    return summary("kvserve", kv_dtype, seconds, work.output_tokens, tpots, stats.num_preemptions, stats.peak_usage)
+    row = summary("kvserve", kv_dtype, seconds, work.output_tokens, tpots, stats.num_preemptions, stats.peak_usage)
+    if kv_dtype == "int8":  # static (calibrated) or per-block key scales
+        row["kv_scales"] = kv_scales
+    return row
 
 
 def run_vllm_child(model: str, kv_dtype: str) -> None:
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3,int8,int4")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--vllm-kv-cache-dtypes", default="auto,fp8_e4m3")
+    parser.add_argument("--kv-scales", default=None, help="calibration file: int8 with static key scales")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.engine == "vllm":
@@ -126,7 +131,7 @@ def main() -> None:
             record(vllm_child_result([args.vllm_python, __file__, "--engine", "vllm", "--model", folder,
                                       "--kv-cache-dtypes", kv_dtype], VLLM_CPU_KVCACHE_SPACE=str(KV_GIB)))
     for kv_dtype in filter(None, args.kv_cache_dtypes.split(",")):  # "": vLLM only
-        record(run_kvserve(kv_dtype))
+        record(run_kvserve(kv_dtype, args.kv_scales))
     print(table(rows))
 
 
