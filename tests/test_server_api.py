@@ -124,6 +124,16 @@ def test_content_parts_are_joined(api: dict[str, Any]) -> None:
     assert parts["usage"] == plain["usage"]
 
 
+def test_models_route_says_how_weights_and_kv_are_stored(tiny_chat_model: LoadedModel) -> None:
+    _, _, base, stop = start_server(tiny_chat_model, {"kv_cache_dtype": "int8"})
+    try:
+        (model,) = httpx.get(base + "/v1/models").json()["data"]
+        assert model["id"] == MODEL and model["max_model_len"] == MAX_MODEL_LEN
+        assert model["quantization"] is None and model["kv_cache_dtype"] == "int8"
+    finally:
+        stop()
+
+
 def test_tokenize_and_detokenize_round_trip(api: dict[str, Any], smollm: LoadedModel) -> None:
     base = api["base"]
     text = "The quick brown fox"
