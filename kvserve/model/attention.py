@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, TailKV
+from kvserve.cache.kv_cache import Int8StaticKV, KVWriteIndex, LayerKV, TailKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
 
@@ -87,6 +87,13 @@ def use_prefill_kernel(device_type: str, head_dim: int, dtype: torch.dtype) -> b
                    torch.ones(1, dtype=torch.long), 1, 1.0))
 
 
+def _write_op(name: str, *args: object) -> None:
+    kernel = cpu_op(name)
+    assert kernel is not None
+    with record_function("kvserve::" + name):
+        kernel(*args)
+
+
 def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, layer: LayerKV,
                       meta: AttentionMetadata, num_heads: int) -> bool:
     """C++ op: rotary on qkv's query and key heads in place ([T, H + 2*KVH, D], contiguous;
@@ -97,31 +104,22 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
     in one block (decode), into the tail slots, quantizing the blocks that fill as the torch path
     does. False, touching nothing, for anything else (the caller then ropes and writes in torch)."""
     if layer.holds_as_is(qkv.dtype):
-        kernel = cpu_op("rope_and_write_kv")
-        assert kernel is not None
-        with record_function("kvserve::rope_and_write_kv"):
-            kernel(qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads)
+        _write_op("rope_and_write_kv", qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads)
         return True
     plan = meta.write.tail
     if isinstance(layer, TailKV) and layer.tail is not None and plan is not None \
             and plan.token_rows.numel() == qkv.shape[0] and layer.tail.dtype == qkv.dtype:
         # every token into its tail row (the tail seen as a pool of one-token blocks), then the
         # blocks that filled are quantized from their tail slots
-        kernel = cpu_op("rope_and_write_kv")
-        assert kernel is not None
         tail = layer.tail.view(-1, layer.tail.shape[2], 1, layer.tail.shape[3])
-        with record_function("kvserve::rope_and_write_kv"):
-            kernel(qkv, cos, signed_sin, tail, plan.token_rows, num_heads)
+        _write_op("rope_and_write_kv", qkv, cos, signed_sin, tail, plan.token_rows, num_heads)
         layer.quantize_filled_from_tail(plan)
         return True
-    if layer.kind != "int8" or layer.keeps_tail_block or layer.per_block_key_scales or \
-            layer.value_scale_override is not None or layer.key_rotation is not None:
+    if not isinstance(layer, Int8StaticKV) or layer.value_scale_override is not None:
         return False
-    kernel = cpu_op("rope_and_write_kv_int8")
-    assert kernel is not None and layer.key_scales is not None and layer.value_scales is not None
-    with record_function("kvserve::rope_and_write_kv_int8"):
-        kernel(qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads, layer.key_scales, layer.value_scales,
-               layer.clipped)
+    assert layer.key_scales is not None and layer.value_scales is not None
+    _write_op("rope_and_write_kv_int8", qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads,
+              layer.key_scales, layer.value_scales, layer.clipped)
     layer.checked += qkv.shape[0] * layer.key_scales.numel()  # key elements that passed the static scales
     return True
 
