@@ -3,7 +3,7 @@ same attention, and the engine gives the same tokens through either."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,20 @@ from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.llama import apply_rope
 
 needs_kernel = pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def bf16_prefill_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The bf16 prefill kernel's two paths: AMX tiles (oneDNN's brgemm, where the CPU has them)
+    and AVX512-BF16 dot products (every other AVX512-BF16 CPU), each tested where it can run."""
+    set_amx = cpu_op("set_amx")
+    if set_amx is None:
+        pytest.skip("no C++ kernels here")
+    if request.param == "amx" and not set_amx(True):
+        pytest.skip("no AMX here")
+    set_amx(request.param == "amx")
+    yield request.param
+    set_amx(True)
 
 
 def _write_index(slots: torch.Tensor, block_size: int, kv_heads: int) -> KVWriteIndex:
@@ -138,6 +152,45 @@ def _integer_pool(kind: str, num_blocks: int, kv_heads: int, block_size: int, di
                                                        codes[:, kv_heads:] * value_scales], 1)
 
 
+def _integer_pool_attention(kind: str, block_size: int, heads: int, kv_heads: int, dim: int, query_len: int,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized kernel's attention for query_len queries per sequence (each sequence's last
+    positions, causal) over a random integer pool (_integer_pool), and float32 attention over the
+    values the pool stands for: (out, expected), [batch * query_len, heads, dim] float32."""
+    torch.manual_seed(3)
+    lens = torch.tensor([1, 15, 16, 17, 100, 300]).clamp(min=query_len)
+    batch, group, width = len(lens), heads // kv_heads, int((lens.max() + block_size - 1) // block_size)
+    data, key_scales, value_scales, kv_pool = _integer_pool(kind, batch * width + 1, kv_heads, block_size, dim)
+    tables = (torch.randperm(batch * width) + 1).view(batch, width)
+    with_tail = kind != "int8-static"
+    tail = torch.randn(batch, block_size, 2 * kv_heads, dim) if with_tail else None
+    tail_slots = torch.randperm(batch) if with_tail else None
+    query = (2 * torch.randn(batch * query_len, heads, dim)).to(dtype)
+    out = torch.empty_like(query)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernel = cpu_op("paged_attention_quantized")
+        assert kernel is not None
+        assert kernel(out, query, data, KIND_CODES[kind.split("-")[0]], key_scales, value_scales, 0.02, None, tail,
+                      tail_slots, tables, lens, query_len, dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.empty(batch * query_len, heads, dim)
+    for b in range(batch):
+        kv = kv_pool[tables[b]].clone()  # [width, 2*kv_heads, block, dim]
+        length, partial = int(lens[b]), int(lens[b]) % block_size
+        if tail is not None and tail_slots is not None and partial:
+            kv[length // block_size, :, :partial] = tail[tail_slots[b], :partial].transpose(0, 1)
+        kv = kv.permute(1, 0, 2, 3).reshape(2 * kv_heads, -1, dim)[:, :length]
+        keys, values = kv[:kv_heads].repeat_interleave(group, 0), kv[kv_heads:].repeat_interleave(group, 0)
+        q = query[b * query_len : (b + 1) * query_len].float().transpose(0, 1)  # [heads, query_len, dim]
+        visible = torch.arange(length)[None, :] <= (length - query_len + torch.arange(query_len))[:, None]
+        scores = (q @ keys.transpose(1, 2) * dim**-0.5).masked_fill(~visible, float("-inf"))
+        expected[b * query_len : (b + 1) * query_len] = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)
+    return out.float(), expected
+
+
 @needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (7, 1, 64), (10, 2, 128), (4, 1, 256)])
@@ -148,35 +201,25 @@ def test_integer_decode_kernel_is_float32_attention_over_the_dequantized_pool(bl
     """int8 and int4 pools (integer dot products on VNNI CPUs): float32 attention over the values
     the codes and scales stand for; where scales are per block, each sequence's partial last block
     is read from its full-precision tail slot."""
-    torch.manual_seed(3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    lens = torch.tensor([1, 15, 16, 17, 100, 300])
-    batch, group, width = len(lens), heads // kv_heads, int((lens.max() + block_size - 1) // block_size)
-    data, key_scales, value_scales, kv_pool = _integer_pool(kind, batch * width + 1, kv_heads, block_size, dim)
-    tables = (torch.randperm(batch * width) + 1).view(batch, width)
-    with_tail = kind != "int8-static"
-    tail = torch.randn(batch, block_size, 2 * kv_heads, dim) if with_tail else None
-    tail_slots = torch.randperm(batch) if with_tail else None
-    query = 2 * torch.randn(batch, heads, dim)
-    out = torch.empty_like(query)
-    try:
-        kernel = cpu_op("paged_attention_quantized")
-        assert kernel is not None
-        assert kernel(out, query, data, KIND_CODES[kind.split("-")[0]], key_scales, value_scales, 0.02, None, tail,
-                      tail_slots, tables, lens, 1, dim**-0.5)
-    finally:
-        torch.set_num_threads(threads)
-    for b in range(batch):
-        kv = kv_pool[tables[b]].clone()  # [width, 2*kv_heads, block, dim]
-        length, partial = int(lens[b]), int(lens[b]) % block_size
-        if tail is not None and tail_slots is not None and partial:
-            kv[length // block_size, :, :partial] = tail[tail_slots[b], :partial].transpose(0, 1)
-        kv = kv.permute(1, 0, 2, 3).reshape(2 * kv_heads, -1, dim)[:, :length]
-        keys, values = kv[:kv_heads].repeat_interleave(group, 0), kv[kv_heads:].repeat_interleave(group, 0)
-        weights = torch.softmax(query[b][:, None, :] @ keys.transpose(1, 2) * dim**-0.5, dim=-1)
-        # VNNI rounds the query and the weights to int16 (2^-16 of their largest): ~1e-4 of the values' range
-        torch.testing.assert_close(out[b], (weights @ values)[:, 0], atol=1e-3, rtol=1e-3)
+    out, expected = _integer_pool_attention(kind, block_size, heads, kv_heads, dim, 1, torch.float32)
+    # VNNI rounds the query and the weights to int16 (2^-16 of their largest): ~1e-4 of the values' range
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (10, 2, 128)])
+@pytest.mark.parametrize("kind", ["int8-static", "int8", "int4"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_integer_prefill_kernel_is_attention_over_the_dequantized_pool(block_size: int, heads: int, kv_heads: int,
+                                                                       dim: int, kind: str, dtype: torch.dtype,
+                                                                       tol: float, bf16_prefill_path: str) -> None:
+    """Prefill chunks (5 queries per sequence after a cached prefix) over int8 and int4 pools:
+    float32 queries through the float32 tile path, bf16 queries through the bf16 dot-product path
+    over the rows dequantized to bf16 (to within bf16's rounding of keys, values, weights and
+    outputs: 3e-2 of values as large as 4.4 here)."""
+    out, expected = _integer_pool_attention(kind, block_size, heads, kv_heads, dim, 5, dtype)
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
@@ -185,7 +228,7 @@ def test_integer_decode_kernel_is_float32_attention_over_the_dequantized_pool(bl
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("cached", [False, True])  # True: each chunk follows a prefix already in the pool
 def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_size: int, heads: int,
-                                          kv_heads: int, dim: int, cached: bool) -> None:
+                                          kv_heads: int, dim: int, cached: bool, bf16_prefill_path: str) -> None:
     torch.manual_seed(2)
     query_len = 7
     lens = torch.tensor([7, 30, 100]) if cached else torch.full((3,), query_len)
@@ -220,7 +263,7 @@ needs_prefill_kernel = pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torc
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("query_len", [1, 5])  # decode, prefill chunks
 def test_cascade_matches_the_kernels(dtype: torch.dtype, tol: float, block_size: int, heads: int, kv_heads: int,
-                                     dim: int, query_len: int) -> None:
+                                     dim: int, query_len: int, bf16_prefill_path: str) -> None:
     """Six sequences over one shared prefix of 1-4 blocks plus 1-70 tokens of their own, the
     last query_len of them queries: the shared part read once (non-causal prefill kernel) merged
     with each sequence's own (decode kernel, or the causal prefill kernel) by their log-sum-exps
@@ -248,7 +291,7 @@ def test_cascade_matches_the_kernels(dtype: torch.dtype, tol: float, block_size:
 
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_full_prefill_kernel_and_its_log_sum_exps(dtype: torch.dtype) -> None:
+def test_full_prefill_kernel_and_its_log_sum_exps(dtype: torch.dtype, bf16_prefill_path: str) -> None:
     """causal=False: every query row sees all the sequence's keys; lse is each row's
     log-sum-exp of its scaled scores (what merging partial softmaxes needs)."""
     torch.manual_seed(4)

@@ -10,6 +10,7 @@
 // quantize_rows_int8 / scale_rows_: the two ends of an int8 linear layer (W8A8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -832,6 +833,38 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 }
 
 #if defined(__AVX512BF16__)
+// Softmax weights of `rows` unscaled score rows, each over its row_len keys, left unnormalized:
+// exp(scale * (s - max)) rounded to bf16 into probs_p ([rows][stride/2] words: bf16 j, j+1 ... in
+// order, so pair jp = keys 2jp, 2jp+1), zero from row_len to padded; inv[r] = 1 / the row's sum of
+// float32 weights and, where given, lse[r] its log-sum-exp of the scaled scores. Callers scale each
+// output row by inv once: one pass over a row's keys here instead of the four (scale, max,
+// exponentials, normalization) of scaling and softmaxing first.
+static void softmax_weights_to_pairs(int64_t rows, const int64_t* row_len, const float* scores, int64_t stride,
+                                     int64_t padded, float scale, uint32_t* probs_p, float* inv, float* lse) {
+  auto keep = [](int64_t remaining) { return remaining <= 0 ? static_cast<__mmask16>(0) : tail_mask(remaining); };
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = scores + r * stride;
+    uint32_t* pr = probs_p + r * (stride / 2);
+    const int64_t len = row_len[r];
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, keep(len - i), row + i));
+    const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale : 0.f;
+    const __m512 shift = _mm512_set1_ps(-top);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 32) {
+      const __m512 e0 = _mm512_maskz_mov_ps(keep(len - j), exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vscale, shift)));
+      const __m512 e1 = _mm512_maskz_mov_ps(keep(len - j - 16),
+                                            exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j + 16), vscale, shift)));
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    const float total = _mm512_reduce_add_ps(vsum);
+    inv[r] = len > 0 ? 1.f / total : 0.f;
+    if (lse != nullptr && len > 0) lse[r] = top + std::log(total);
+  }
+}
+
 // prefill_rows for bf16 pools in AVX512-BF16 dot products. Keys are bf16 pairs transposed,
 // [dim/2][stride] (pair i of key j: its elements 2i, 2i+1), values key pairs, [stride/2][dim]
 // (pair jp at dim d: keys 2jp and 2jp+1 there), the query unscaled bf16 pairs (exact; the scale
@@ -846,7 +879,6 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
   int64_t max_len = 0;
   for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
   const int64_t padded = (max_len + 31) / 32 * 32;  // <= stride: the kernel pads sequences to 32
-  const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t tile = 0; tile < padded; tile += 32) {  // 32 keys a pass: each broadcast query pair serves two
     __m512 s[RB][2];
     for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
@@ -861,19 +893,12 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
       }
     }
     for (int r = 0; r < RB; ++r) {
-      _mm512_storeu_ps(scores + r * stride + tile, _mm512_mul_ps(s[r][0], vscale));
-      _mm512_storeu_ps(scores + r * stride + tile + 16, _mm512_mul_ps(s[r][1], vscale));
+      _mm512_storeu_ps(scores + r * stride + tile, s[r][0]);
+      _mm512_storeu_ps(scores + r * stride + tile + 16, s[r][1]);
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    float* row = scores + r * stride;
-    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r], lse != nullptr ? lse + r : nullptr);
-    std::fill(row + row_len[r], row + padded, 0.f);  // keys past a row's position get no weight
-    uint32_t* pr = probs_p + r * (stride / 2);
-    for (int64_t j = 0; j < padded; j += 32)  // bf16 j, j+1 ... j+31 in order: pair jp = keys 2jp, 2jp+1
-      _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16),
-                                                                   _mm512_loadu_ps(row + j)));
-  }
+  float inv[RB];
+  softmax_weights_to_pairs(RB, row_len, scores, stride, padded, scale, probs_p, inv, lse);
   __m512 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
@@ -886,7 +911,44 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, _mm512_mul_ps(a[r][i], _mm512_set1_ps(inv[r])));
+}
+
+// AMX: oneDNN's tile kernels through torch's cpublas::brgemm, whose bf16 B operand is VNNI-packed
+// ([K/2][N] pairs): exactly prefill_rows_bf16's key pairs (K = dim, N = keys) and value pairs
+// (K = keys, N = dim). Only where oneDNN has them (could_pack: AMX); set_amx turns them off.
+static std::atomic<bool> amx_on{true};
+
+static bool use_amx() {
+  static const bool present = at::native::cpublas::could_pack(at::kBFloat16);
+  return present && amx_on.load(std::memory_order_relaxed);
+}
+
+// prefill_rows_bf16 as two matrix products per 512 keys: scores [RB x keys] = queries [RB x dim]
+// times the key pairs, outputs [RB x dim] += bf16 probabilities [RB x keys] times the value
+// pairs; the same softmax and bf16 rounding of the probabilities between them.
+template <int NV, int RB>
+static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p, int64_t stride,
+                             const uint32_t* values_p, float scale, float* scores, uint32_t* probs_p, float* acc,
+                             float* lse) {
+  constexpr int64_t dim = NV * 16, chunk = 512;
+  int64_t max_len = 0;
+  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  const int64_t padded = (max_len + 31) / 32 * 32;
+  const auto* q = reinterpret_cast<const at::BFloat16*>(qp);
+  for (int64_t n0 = 0; n0 < padded; n0 += chunk)
+    at::native::cpublas::brgemm(RB, std::min(chunk, padded - n0), dim, dim, stride, stride, false, q,
+                                reinterpret_cast<const at::BFloat16*>(keys_p + n0), scores + n0);
+  float inv[RB];
+  softmax_weights_to_pairs(RB, row_len, scores, stride, padded, scale, probs_p, inv, lse);
+  const auto* probs = reinterpret_cast<const at::BFloat16*>(probs_p);
+  std::fill(acc, acc + RB * dim, 0.f);
+  for (int64_t k0 = 0; k0 < padded; k0 += chunk)
+    at::native::cpublas::brgemm(RB, dim, std::min(chunk, padded - k0), stride, dim, dim, true, probs + k0,
+                                reinterpret_cast<const at::BFloat16*>(values_p + k0 / 2 * dim), acc);
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i)
+      _mm512_storeu_ps(acc + r * dim + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 16 * i), _mm512_set1_ps(inv[r])));
 }
 
 // One bf16 pool row pair interleaved for prefill_rows_bf16's values: out[d] = (r0[d], r1[d]).
@@ -903,6 +965,19 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
     _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, hi, b));
   }
 }
+
+// One (sequence, KV head)'s len keys and values in prefill_rows_bf16's layout (keys [dim/2][stride]
+// pairs, values [stride/2][dim] key pairs), from bf16 rows: key(pos) and value(pos) point at them.
+template <typename KeyRow, typename ValueRow>
+static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t len, int64_t stride, int64_t dim,
+                            uint32_t* kp, uint32_t* vp) {
+  for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
+    const uint32_t* krow = reinterpret_cast<const uint32_t*>(key(pos));
+    for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
+  }
+  for (int64_t pos = 0; pos < len; pos += 2)
+    interleave_bf16_rows(value(pos), pos + 1 < len ? value(pos + 1) : nullptr, vp + pos / 2 * dim, dim);
+}
 #endif
 
 // Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
@@ -911,7 +986,7 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
 // [stride/2][dim] of bf16 pairs. Buffers start zeroed, so columns past len weigh nothing.
 // Not causal: every query sees all len keys of its sequence (a cascade's shared prefix). With
 // lse_out ([batch * query_len, heads] float32), each query row's log-sum-exp goes there too.
-template <typename T, int NV, int RB, bool kPairs, typename O, typename Fill>
+template <typename T, int NV, int RB, bool kPairs, bool kAmx, typename O, typename Fill>
 static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride,
                            int64_t batch, int64_t query_len, int64_t heads, int64_t kv_heads, float scale,
                            const Fill& fill, bool causal, float* lse_out) {
@@ -967,8 +1042,13 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
       }
       const Word* kt = keys_t.data() + base[b] + h * stride * words;
       const Word* vs = values.data() + base[b] + h * stride * words;
-      if constexpr (kPairs) {
+      if constexpr (kAmx) {
 #if defined(__AVX512BF16__)  // only instantiated where it is defined (paged_prefill_attention)
+        prefill_rows_amx<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data(),
+                                 lse);
+#endif
+      } else if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
         prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data(),
                                   lse);
 #endif
@@ -982,8 +1062,11 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
         if (lse_out != nullptr) lse_out[(b * query_len + i) * heads + h * group + g] = lse[r];
       }
     }
+    if constexpr (kAmx) at::native::cpublas::brgemm_release();  // this thread's tile configuration
   });
 }
+
+constexpr int kAmxRows = 32;  // query rows per AMX tile job (two 16-row tiles)
 
 // The prefill kernel for this head size; false where there is no vector path for it. (head_dim
 // 256 with one query row per tile measured 2x slower than SDPA's causal flash path: none.)
@@ -991,12 +1074,25 @@ template <typename T, bool kPairs = false, typename O, typename Fill>
 static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride, int64_t batch,
                         int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill,
                         bool causal = true, float* lse_out = nullptr) {
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs) {
+    if (use_amx() && (dim == 64 || dim == 128)) {
+      if (dim == 64)
+        prefill_kernel<T, 4, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
+                                                      kv_heads, scale, fill, causal, lse_out);
+      else
+        prefill_kernel<T, 8, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
+                                                      kv_heads, scale, fill, causal, lse_out);
+      return true;
+    }
+  }
+#endif
   if (dim == 64)
-    prefill_kernel<T, 4, 4, kPairs, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
-                                    causal, lse_out);
+    prefill_kernel<T, 4, 4, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads,
+                                              scale, fill, causal, lse_out);
   else if (dim == 128)
-    prefill_kernel<T, 8, 2, kPairs, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads, scale, fill,
-                                    causal, lse_out);
+    prefill_kernel<T, 8, 2, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads,
+                                              scale, fill, causal, lse_out);
   else return false;
   return true;
 }
@@ -1024,13 +1120,8 @@ static bool prefill_into(O* out, int64_t out_stride, const torch::Tensor& q, con
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
-        for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
-          const uint32_t* krow = reinterpret_cast<const uint32_t*>(row_at(b, h, pos));
-          for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
-        }
-        for (int64_t pos = 0; pos < len; pos += 2)
-          interleave_bf16_rows(row_at(b, kv_heads + h, pos), pos + 1 < len ? row_at(b, kv_heads + h, pos + 1) : nullptr,
-                               vp + pos / 2 * dim, dim);
+        fill_bf16_pairs([&](int64_t pos) { return row_at(b, h, pos); },
+                        [&](int64_t pos) { return row_at(b, kv_heads + h, pos); }, len, stride, dim, kp, vp);
       };
       return run_prefill<T, true>(q.data_ptr<T>(), q.stride(0), lens.data_ptr<int64_t>(), out, out_stride,
                                   tables.size(0), query_len, heads, kv_heads, dim, scale, fill_pairs, causal, lse_out);
@@ -1716,6 +1807,30 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
         });
         done = true;
       }
+#if defined(__AVX512BF16__)
+      else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        // bf16 queries: the bf16 prefill kernel over the rows dequantized and rounded to bf16
+        // (2^-9 relative, finer than any quantized format's step), in place of float32 FMAs
+        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
+          thread_local std::vector<float> tile;
+          thread_local std::vector<c10::BFloat16> keys, values;
+          tile.resize(bs * dim);
+          keys.resize(len * dim);
+          values.resize(len * dim);
+          for (int64_t blk = 0; blk * bs < len; ++blk) {
+            const int64_t n = pool.tile(tab + b * width, blk, len, slot_of(b), h, tile.data());
+            from_float(tile.data(), keys.data() + blk * bs * dim, n * dim);
+            pool.tile(tab + b * width, blk, len, slot_of(b), kv_heads + h, tile.data());
+            from_float(tile.data(), values.data() + blk * bs * dim, n * dim);
+          }
+          fill_bf16_pairs([&](int64_t pos) { return keys.data() + pos * dim; },
+                          [&](int64_t pos) { return values.data() + pos * dim; }, len, stride, dim, kp, vp);
+        };
+        done = run_prefill<scalar_t, true>(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(),
+                                           out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
+                                           kv_heads, dim, static_cast<float>(scale), fill_pairs);
+      }
+#endif
 #if defined(__AVX512F__)
       else {
         auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
@@ -1736,6 +1851,15 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
     }
   });
   return done;
+}
+
+bool set_amx(bool enabled) {
+#if defined(__AVX512BF16__)
+  amx_on.store(enabled);
+  return use_amx();
+#else
+  return false;
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1759,6 +1883,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention over a prefix of blocks every sequence shares (read once) and each sequence's own blocks, "
         "merged by log-sum-exps, into out; False where unsupported: (out, q, kv_cache, shared_table, shared_len, "
         "own_tables, own_lens, query_len, scale)");
+  m.def("set_amx", &set_amx,
+        "use (or not) the AMX tile kernels for bf16 prefill where the CPU has them; returns whether they are used "
+        "now: (enabled)");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");
