@@ -4,6 +4,7 @@
     python benchmarks/long_context.py --kv-cache-dtypes auto,fp8_e4m3,int8,int4 \\
         --vllm-python /work/vllm-venv/bin/python --vllm-kv-cache-dtypes auto,fp8_e4m3 \\
         --out docs/results/long_context.json [--kv-scales docs/results/smollm2_kv_scales.json]
+    python benchmarks/long_context.py --kv-cache-dtypes auto --profile 16   # where kvserve's time goes
 
 Workload (workloads.long_context): 64 requests of 2,000-6,000 random prompt token ids and
 128-512 output tokens (EOS ignored), all submitted at once. bf16 model, 2 threads, 2 GiB of KV,
@@ -17,6 +18,7 @@ This file also runs as the vLLM child process (--engine vllm, in vLLM's own venv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import WORKLOADS, cpu_name
+from workloads import WORKLOADS, cpu_name, top_ops
 
 KV_GIB = 2
 MAX_MODEL_LEN = 8192
@@ -44,25 +46,34 @@ def summary(engine: str, kv_dtype: str, seconds: float, output_tokens: int, tpot
             "tpot_p99_ms": 1000 * _percentile(tpots, 0.99), "preemptions": preemptions, "peak_kv_usage": peak_kv}
 
 
-def run_kvserve(kv_dtype: str, kv_scales: str | None = None) -> dict[str, Any]:
+def run_kvserve(kv_dtype: str, kv_scales: str | None = None, profiled: int = 0) -> dict[str, Any]:
+    """The workload on kvserve; with profiled = N, only its first N requests, under torch's
+    profiler (the ops that took the most time are printed)."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     from kvserve import LLM, SamplingParams
 
     torch.set_num_threads(2)
     work = WORKLOADS["long"]()
+    prompts, output_lens = work.prompts, work.output_lens
+    if profiled:
+        prompts, output_lens = prompts[:profiled], output_lens[:profiled]
     llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_memory=f"{KV_GIB}GiB",
               max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
               kv_scales=kv_scales if kv_dtype == "int8" else None)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
-    start = time.perf_counter()
-    outs = llm.generate(work.prompts, params)
-    seconds = time.perf_counter() - start
-    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == sum(output_lens)
+    if prof is not None:
+        print(f"{kv_dtype}, first {profiled} requests: {seconds:.1f} s; {top_ops(prof, 5)}", flush=True)
     tpots = [(o.metrics["e2e"] - o.metrics["ttft"]) / (len(o.token_ids) - 1) for o in outs]
     stats = llm.kv_stats()
-    row = summary("kvserve", kv_dtype, seconds, work.output_tokens, tpots, stats.num_preemptions, stats.peak_usage)
+    row = summary("kvserve", kv_dtype, seconds, sum(output_lens), tpots, stats.num_preemptions, stats.peak_usage)
     if kv_dtype == "int8":  # static (calibrated) or per-block key scales
         row["kv_scales"] = kv_scales
     return row
@@ -110,7 +121,13 @@ def main() -> None:
     parser.add_argument("--vllm-kv-cache-dtypes", default="auto,fp8_e4m3")
     parser.add_argument("--kv-scales", default=None, help="calibration file: int8 with static key scales")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="kvserve only: the first N requests under torch's profiler, per KV dtype")
     args = parser.parse_args()
+    if args.profile:
+        for kv_dtype in args.kv_cache_dtypes.split(","):
+            print(json.dumps(run_kvserve(kv_dtype, args.kv_scales, args.profile)))
+        return
     if args.engine == "vllm":
         run_vllm_child(args.model, args.kv_cache_dtypes)
         return

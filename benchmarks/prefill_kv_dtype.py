@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import workload
+from workloads import top_ops
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import load_model
@@ -46,9 +47,7 @@ def main() -> None:
             while engine.requests:
                 engine.step()
             wall = time.perf_counter() - start
-        top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:4]
-        ops = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e6:.1f} s" for e in top)
-        print(f"{kv_dtype}: prefill {args.batch} x {args.context} in {wall:.1f} s; {ops}", flush=True)
+        print(f"{kv_dtype}: prefill {args.batch} x {args.context} in {wall:.1f} s; {top_ops(prof)}", flush=True)
         del engine
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 VOCAB = 49152
 
@@ -31,6 +31,12 @@ class Workload(NamedTuple):
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+
+def top_ops(prof: Any, n: int = 4) -> str:
+    """The n ops of a torch.profiler run that took the most CPU time, as "name 1.2 s, ..."."""
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return ", ".join(f"{e.key} {e.self_cpu_time_total / 1e6:.1f} s" for e in top)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

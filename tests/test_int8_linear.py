@@ -114,7 +114,10 @@ def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedMode
     embedding = model.embed_tokens.weight.numel() * 2
     assert smollm_int8.weight_bytes < embedding + (bf16_bytes - embedding) * 0.52
     llm = LLM(loaded=smollm_int8, quantization="int8", kv_cache_memory="64MiB")
-    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    # "Answer in one word." keeps a margin: without it the first token is a near-tie between
+    # "The" and "L'" (0.4 nats) that the attention kernels' rounding order can flip
+    question = "What is the capital of France? Answer in one word."
+    prompt = llm.apply_chat_template([{"role": "user", "content": question}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert "Paris" in out.text
     with pytest.raises(ConfigError, match="loaded with quantization='int8'"):
