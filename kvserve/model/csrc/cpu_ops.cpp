@@ -41,7 +41,9 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The first min(remaining, 16) lanes; none when remaining <= 0.
 static inline __mmask16 tail_mask(int64_t remaining) {
+  if (remaining <= 0) return 0;
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
 }
 #endif
@@ -841,20 +843,19 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 // exponentials, normalization) of scaling and softmaxing first.
 static void softmax_weights_to_pairs(int64_t rows, const int64_t* row_len, const float* scores, int64_t stride,
                                      int64_t padded, float scale, uint32_t* probs_p, float* inv, float* lse) {
-  auto keep = [](int64_t remaining) { return remaining <= 0 ? static_cast<__mmask16>(0) : tail_mask(remaining); };
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = scores + r * stride;
     uint32_t* pr = probs_p + r * (stride / 2);
     const int64_t len = row_len[r];
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, keep(len - i), row + i));
+    for (int64_t i = 0; i < len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(len - i), row + i));
     const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale : 0.f;
     const __m512 shift = _mm512_set1_ps(-top);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < padded; j += 32) {
-      const __m512 e0 = _mm512_maskz_mov_ps(keep(len - j), exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vscale, shift)));
-      const __m512 e1 = _mm512_maskz_mov_ps(keep(len - j - 16),
+      const __m512 e0 = _mm512_maskz_mov_ps(tail_mask(len - j), exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vscale, shift)));
+      const __m512 e1 = _mm512_maskz_mov_ps(tail_mask(len - j - 16),
                                             exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j + 16), vscale, shift)));
       vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -1074,25 +1075,21 @@ template <typename T, bool kPairs = false, typename O, typename Fill>
 static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride, int64_t batch,
                         int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill,
                         bool causal = true, float* lse_out = nullptr) {
+  auto launch = [&](auto nv) {  // dim = 16 * NV
+    constexpr int NV = decltype(nv)::value;
 #if defined(__AVX512BF16__)
-  if constexpr (kPairs) {
-    if (use_amx() && (dim == 64 || dim == 128)) {
-      if (dim == 64)
-        prefill_kernel<T, 4, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
-                                                      kv_heads, scale, fill, causal, lse_out);
-      else
-        prefill_kernel<T, 8, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
-                                                      kv_heads, scale, fill, causal, lse_out);
-      return true;
+    if constexpr (kPairs) {
+      if (use_amx())
+        return prefill_kernel<T, NV, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len,
+                                                              heads, kv_heads, scale, fill, causal, lse_out);
     }
-  }
 #endif
-  if (dim == 64)
-    prefill_kernel<T, 4, 4, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads,
-                                              scale, fill, causal, lse_out);
-  else if (dim == 128)
-    prefill_kernel<T, 8, 2, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads, kv_heads,
-                                              scale, fill, causal, lse_out);
+    constexpr int kRows = NV == 4 ? 4 : 2;  // query rows per tile: accumulators that fit the registers
+    prefill_kernel<T, NV, kRows, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
+                                                    kv_heads, scale, fill, causal, lse_out);
+  };
+  if (dim == 64) launch(std::integral_constant<int, 4>{});
+  else if (dim == 128) launch(std::integral_constant<int, 8>{});
   else return false;
   return true;
 }
