@@ -132,7 +132,7 @@ def test_quantized_kernels_match_the_torch_path(kv_dtype: str, heads: int, kv_he
     prompts = [[5] * 3, list(range(1, 90)), [9, 8, 7, 6], list(range(200, 240))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     # integer pools on VNNI CPUs round the query and the weights to int16 (2^-16 of their largest):
-    # ~1e-4 of an attention output (test_integer_decode_kernel_is_float32_attention_over_the_
+    # ~1e-4 of an attention output (test_quantized_decode_kernel_is_float32_attention_over_the_
     # dequantized_pool bounds the kernel itself), which these float32 random-weight models amplify
     # to 5e-3-0.11 in log-probs over 12 steps; the tokens must still be the same
     tolerance = 0.2 if kv_dtype in ("int8", "int4") else 5e-3 if dim == 64 else 1e-2
