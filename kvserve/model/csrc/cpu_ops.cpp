@@ -1769,8 +1769,8 @@ static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_
         qb[g][v] = _mm512_cvtne2ps_pbh(high, low);
         if constexpr (SPLIT) {
           const __m512i words = (__m512i)qb[g][v];  // the rounded halves back in float32, subtracted
-          const __m512 low_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)), 16));
-          const __m512 high_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1)), 16));
+          const __m512 low_rounded = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(words));
+          const __m512 high_rounded = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(words, 1));
           qr[g][v] = _mm512_cvtne2ps_pbh(_mm512_sub_ps(high, high_rounded), _mm512_sub_ps(low, low_rounded));
         }
       }
