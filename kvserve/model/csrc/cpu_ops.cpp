@@ -156,6 +156,13 @@ static bool prefetch_whole_blocks(int64_t bytes) {
   return bytes <= half_l2;
 }
 
+// 32 bf16 words as float32, exactly: even[i] is word 2i, odd[i] word 2i + 1 (a shift and a mask,
+// no permute; the caller keeps its accumulators in that order).
+static inline void widen_bf16_words(__m512i words, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // One key row against the G query heads in registers: a score per head at position pos.
 template <int NV, int G>
 static inline void score_row(const __m512 (&q)[G][NV], const __m512 (&k)[NV], float* probs, int64_t len,
@@ -200,11 +207,8 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const T* tile = key_base + table[blk] * block_stride;
     const int64_t first = blk * block_size, n = std::min(block_size, len - first);
-    if (whole_blocks && blk + 1 < num_blocks) {
-      const char* whole = reinterpret_cast<const char*>(kv + table[blk + 1] * block_stride);
-      for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(T)); off += 64)
-        _mm_prefetch(whole + off, _MM_HINT_T1);
-    }
+    if (whole_blocks && blk + 1 < num_blocks)
+      prefetch_row(kv + table[blk + 1] * block_stride, block_stride * static_cast<int64_t>(sizeof(T)));
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = first + t, ahead = std::min(pos + kAhead, len - 1);
       prefetch_row(key_base + table[ahead / block_size] * block_stride + (ahead % block_size) * dim, dim * sizeof(T));
@@ -289,10 +293,8 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   for (int64_t pos = 0; pos < len; pos += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - pos));
     for (int r = 0; r < n; ++r) {
-      if (t == 0 && whole_blocks && (blk + 1) * block_size < len) {  // the next block, all heads (prefetch_whole_blocks)
-        const char* whole = reinterpret_cast<const char*>(kv + table[blk + 1] * block_stride);
-        for (int64_t off = 0; off < block_stride * 2; off += 64) _mm_prefetch(whole + off, _MM_HINT_T1);
-      }
+      if (t == 0 && whole_blocks && (blk + 1) * block_size < len)  // the next block, all heads (prefetch_whole_blocks)
+        prefetch_row(kv + table[blk + 1] * block_stride, block_stride * 2);
       rows[r] = key_base + table[blk] * block_stride + t * dim;
       prefetch_row(rows[r] + value_offset, dim * 2);  // for the value pass
       if (ahead_blk * block_size + ahead_t < len)
@@ -315,18 +317,13 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   __m512 reg[G][2 * NB];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 2 * NB; ++i) reg[g][i] = _mm512_setzero_ps();
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const c10::BFloat16* tile = key_base + value_offset + table[b] * block_stride;
     const int64_t first = b * block_size, m = std::min(block_size, len - first);
     for (int64_t r = 0; r < m; ++r) {
       __m512 v[2 * NB];
-      for (int j = 0; j < NB; ++j) {
-        const __m512i raw = _mm512_loadu_si512(tile + r * dim + 32 * j);
-        v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
-      }
+      for (int j = 0; j < NB; ++j) widen_bf16_words(_mm512_loadu_si512(tile + r * dim + 32 * j), v[2 * j], v[2 * j + 1]);
       accumulate_row<2 * NB, G>(reg, v, probs, len, first + r);
     }
   }
@@ -1820,12 +1817,12 @@ static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_
   __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) a[g][i] = _mm512_setzero_ps();
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // per-token value scales multiply the probabilities first (a vector pass), one v_scale the
-  // outputs at the end, so each row's weight is a broadcast from memory
-  if (pool.value_scales != nullptr)
-    for (int64_t blk = 0; blk < coded; ++blk) {
-      const int64_t first = blk * bs, n = std::min(bs, len - first);
+  for (int64_t blk = 0; blk < coded; ++blk) {
+    const int64_t first = blk * bs, n = std::min(bs, len - first);
+    const uint8_t* rows = head_values + table[blk] * pool.block_bytes();
+    // per-token value scales multiply the block's probabilities first (one v_scale multiplies
+    // the outputs at the end), so each row's weight is a broadcast from memory
+    if (pool.value_scales != nullptr) {
       const float* scales = pool.value_scales + (table[blk] * kv_heads + h) * bs;
       for (int g = 0; g < G; ++g)
         for (int64_t t = 0; t < n; t += 16) {
@@ -1834,18 +1831,12 @@ static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_
           _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), _mm512_maskz_loadu_ps(live, scales + t)));
         }
     }
-  for (int64_t blk = 0; blk < coded; ++blk) {
-    const int64_t first = blk * bs, n = std::min(bs, len - first);
-    const uint8_t* rows = head_values + table[blk] * pool.block_bytes();
     for (int64_t t = 0; t < n; ++t) {
       __m512 v[NV];
       for (int c = 0; c < NC; ++c) {
         __m512i words[2];
         bytes.to_bf16(rows + t * rb + 64 * c, words);
-        for (int i = 0; i < 2; ++i) {
-          v[4 * c + 2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(words[i], 16));
-          v[4 * c + 2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(words[i], high_half));
-        }
+        for (int i = 0; i < 2; ++i) widen_bf16_words(words[i], v[4 * c + 2 * i], v[4 * c + 2 * i + 1]);
       }
       accumulate_row<NV, G>(a, v, probs, len, first + t);
     }
