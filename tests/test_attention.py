@@ -274,6 +274,38 @@ needs_prefill_kernel = pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torc
                                           reason="no AVX-512 prefill kernel here")
 
 
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("sharpness", [1.0, 30.0])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128)])
+def test_prefill_kernel_over_long_sequences(dtype: torch.dtype, tol: float, sharpness: float, heads: int,
+                                            kv_heads: int, dim: int, bf16_prefill_path: str) -> None:
+    """Chunks of 40 queries after 660 and 293 cached tokens, against softmax attention in
+    float64 over the same pool: several of the AMX kernel's 256-key chunks, query tiles whose
+    rows see different numbers of keys, and (sharpness 30) attention so peaked that a row's
+    running maximum grows by more than the kernel's slack from one chunk to the next, so its
+    partial outputs and sums are rescaled mid-row."""
+    torch.manual_seed(5)
+    block_size, query_len = 16, 40
+    lens = torch.tensor([700, 333])
+    batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)
+    pool = torch.randn(batch * width + 1, 2 * kv_heads, block_size, dim).to(dtype)
+    tables = (torch.randperm(batch * width) + 1).view(batch, width)
+    query = (sharpness * torch.randn(batch * query_len, heads, dim)).to(dtype)
+    out = torch.empty_like(query)
+    assert cpu_op("paged_prefill_attention")(out, query, pool, tables, lens, query_len, dim**-0.5)
+    group = heads // kv_heads
+    for b, length in enumerate(lens.tolist()):
+        kv = pool[tables[b]].double().permute(1, 0, 2, 3).reshape(2 * kv_heads, -1, dim)[:, :length]
+        k, v = kv[:kv_heads].repeat_interleave(group, 0), kv[kv_heads:].repeat_interleave(group, 0)
+        q = query[b * query_len : (b + 1) * query_len].double().transpose(0, 1)  # [heads, queries, dim]
+        scores = q @ k.transpose(1, 2) * dim**-0.5
+        positions = torch.arange(length - query_len, length)
+        scores = scores.masked_fill(torch.arange(length)[None, :] > positions[:, None], float("-inf"))
+        expected = (scores.softmax(-1) @ v).transpose(0, 1)
+        torch.testing.assert_close(out[b * query_len : (b + 1) * query_len].double(), expected, atol=tol, rtol=tol)
+
+
 @needs_kernel
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])

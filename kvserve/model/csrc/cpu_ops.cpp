@@ -10,7 +10,6 @@
 // quantize_rows_int8 / scale_rows_: the two ends of an int8 linear layer (W8A8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -933,43 +932,6 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, _mm512_mul_ps(a[r][i], _mm512_set1_ps(inv[r])));
 }
 
-// AMX: oneDNN's tile kernels through torch's cpublas::brgemm, whose bf16 B operand is VNNI-packed
-// ([K/2][N] pairs): exactly prefill_rows_bf16's key pairs (K = dim, N = keys) and value pairs
-// (K = keys, N = dim). Only where oneDNN has them (could_pack: AMX); set_amx turns them off.
-static std::atomic<bool> amx_on{true};
-
-static bool use_amx() {
-  static const bool present = at::native::cpublas::could_pack(at::kBFloat16);
-  return present && amx_on.load(std::memory_order_relaxed);
-}
-
-// prefill_rows_bf16 as two matrix products per 512 keys: scores [RB x keys] = queries [RB x dim]
-// times the key pairs, outputs [RB x dim] += bf16 probabilities [RB x keys] times the value
-// pairs; the same softmax and bf16 rounding of the probabilities between them.
-template <int NV, int RB>
-static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p, int64_t stride,
-                             const uint32_t* values_p, float scale, float* scores, uint32_t* probs_p, float* acc,
-                             float* lse) {
-  constexpr int64_t dim = NV * 16, chunk = 512;
-  int64_t max_len = 0;
-  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
-  const int64_t padded = (max_len + 31) / 32 * 32;
-  const auto* q = reinterpret_cast<const at::BFloat16*>(qp);
-  for (int64_t n0 = 0; n0 < padded; n0 += chunk)
-    at::native::cpublas::brgemm(RB, std::min(chunk, padded - n0), dim, dim, stride, stride, false, q,
-                                reinterpret_cast<const at::BFloat16*>(keys_p + n0), scores + n0);
-  float inv[RB];
-  softmax_weights_to_pairs(RB, row_len, scores, stride, padded, scale, probs_p, inv, lse);
-  const auto* probs = reinterpret_cast<const at::BFloat16*>(probs_p);
-  std::fill(acc, acc + RB * dim, 0.f);
-  for (int64_t k0 = 0; k0 < padded; k0 += chunk)
-    at::native::cpublas::brgemm(RB, dim, std::min(chunk, padded - k0), stride, dim, dim, true, probs + k0,
-                                reinterpret_cast<const at::BFloat16*>(values_p + k0 / 2 * dim), acc);
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < NV; ++i)
-      _mm512_storeu_ps(acc + r * dim + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 16 * i), _mm512_set1_ps(inv[r])));
-}
-
 // One bf16 pool row pair interleaved for prefill_rows_bf16's values: out[d] = (r0[d], r1[d]).
 static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t* out, int64_t dim) {
   const auto* a16 = static_cast<const c10::BFloat16*>(r0);
@@ -986,10 +948,22 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
 }
 
 // One (sequence, KV head)'s len keys and values in prefill_rows_bf16's layout (keys [dim/2][stride]
-// pairs, values [stride/2][dim] key pairs), from bf16 rows: key(pos) and value(pos) point at them.
+// pairs, values [stride/2][dim] key pairs), or with amx_layout in prefill_rows_amx's (keys as
+// rows [stride][dim], values transposed per 32 keys, [stride/32][dim][32]), from bf16 rows
+// key(pos) and value(pos).
 template <typename KeyRow, typename ValueRow>
 static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t len, int64_t stride, int64_t dim,
-                            uint32_t* kp, uint32_t* vp) {
+                            uint32_t* kp, uint32_t* vp, bool amx_layout) {
+  if (amx_layout) {
+    auto* values_t = reinterpret_cast<uint16_t*>(vp);
+    for (int64_t pos = 0; pos < len; ++pos) {
+      std::memcpy(kp + pos * dim / 2, key(pos), dim * 2);
+      const auto* row = reinterpret_cast<const uint16_t*>(value(pos));
+      uint16_t* block = values_t + pos / 32 * 32 * dim + pos % 32;
+      for (int64_t d = 0; d < dim; ++d) block[d * 32] = row[d];
+    }
+    return;
+  }
   for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
     const uint32_t* krow = reinterpret_cast<const uint32_t*>(key(pos));
     for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
@@ -998,6 +972,210 @@ static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t le
     interleave_bf16_rows(value(pos), pos + 1 < len ? value(pos + 1) : nullptr, vp + pos / 2 * dim, dim);
 }
 #endif
+
+// AMX: tdpbf16ps on 16 x 64-byte tiles, written with the tile intrinsics (the kernel before this
+// one called oneDNN's brgemm per 512 keys and measured 2x slower: scores and weights for a whole
+// row went through L2, and values were read at a stride of the sequence length). Scores come out
+// transposed, [keys][32 queries] = keys x queries^T: the keys are the A operand as rows ([len][dim]
+// bf16, copied from the pool), the 32 query rows' bf16 pairs the B operand, so a query's softmax
+// runs down a column with no horizontal sums. Outputs come out transposed too, [dim][32 queries]
+// += values^T x weights^T: values^T (per 32 keys a [dim][32] bf16 block, from the fill) as A, the
+// bf16 weights of key pairs as B. Keys go by in chunks of kAmxChunk with a running maximum per
+// query (flash attention's online softmax); the outputs are rescaled only when a chunk's maximum
+// passes the one in use by more than kAmxSlack, which after the first chunk is rare.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSERVE_AMX 1
+#include <sys/syscall.h>
+
+constexpr int64_t kAmxChunk = 256;
+constexpr float kAmxSlack = 12.f;  // log2 units: unnormalized weights stay below 2^12
+
+// Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM for XTILEDATA).
+static bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Tiles 0-7 all 16 rows x 64 bytes: 16 x 16 float32, or 16 rows of 16 bf16 pairs.
+static void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The tile loads are asm without a memory clobber: make the compiler finish plain stores first.
+static inline void memory_fence_for_tiles() { asm volatile("" ::: "memory"); }
+
+// C tiles 0-3 += two A tiles (loaded into 4, 5) times two B tiles (6, 7): tile 2i + j += A_i B_j.
+static inline void tile_product_2x2(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
+                                    int64_t b_stride) {
+  _tile_loadd(4, a0, a_stride);
+  _tile_loadd(5, a1, a_stride);
+  _tile_loadd(6, b0, b_stride);
+  _tile_loadd(7, b1, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// C tiles 0-3 to or from 32 rows of a [rows][32] float32 buffer: tile 2i + j at rows 16i, columns 16j.
+static inline void store_tiles_2x2(float* rows) {
+  _tile_stored(0, rows, 128);
+  _tile_stored(1, rows + 16, 128);
+  _tile_stored(2, rows + 16 * 32, 128);
+  _tile_stored(3, rows + 16 * 32 + 16, 128);
+}
+
+static inline void load_tiles_2x2(const float* rows) {
+  _tile_loadd(0, rows, 128);
+  _tile_loadd(1, rows + 16, 128);
+  _tile_loadd(2, rows + 16 * 32, 128);
+  _tile_loadd(3, rows + 16 * 32 + 16, 128);
+}
+
+// 2^y for 16 lanes of finite y (any size: scalef flushes to 0 or infinity): 2^floor(y) (scalef)
+// times 1 + f (c1 + f (c2 + f (c3 + f c4))) for the fraction f = y - floor(y) (vreduceps),
+// weighted least squares on [0, 1): relative error < 3e-6, far below the 2^-9 of the bf16
+// weights made from it; exactly 1 at y = 0.
+static inline __m512 exp2_16(__m512 y) {
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(0.01342655f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0522409f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24128269f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693044f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, y);
+}
+
+template <int NV>
+static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p,
+                             const uint32_t* values_p, float scale, float* acc, float* lse) {
+  constexpr int64_t dim = NV * 16, pairs = dim / 2, steps = dim / 32;  // steps: 32-dim slices of a key
+  const auto* keys = reinterpret_cast<const c10::BFloat16*>(keys_p);
+  const auto* values_t = reinterpret_cast<const c10::BFloat16*>(values_p);
+  alignas(64) uint32_t qt[steps][2][16][16];   // B tiles: [dim slice][query half][pair][query]
+  alignas(64) float st[kAmxChunk][32];         // scores^T of a chunk
+  alignas(64) uint32_t pt[kAmxChunk / 2][32];  // weights^T as key pairs: [key pair][query]
+  alignas(64) float out_t[dim][32];            // outputs^T, unnormalized
+  alignas(64) int32_t len32[32];
+  int64_t max_len = 0, min_len = row_len[0];
+  for (int r = 0; r < 32; ++r) {
+    max_len = std::max(max_len, row_len[r]);
+    min_len = std::min(min_len, row_len[r]);
+    len32[r] = static_cast<int32_t>(row_len[r]);
+  }
+  for (int64_t s = 0; s < steps; ++s)
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 16; ++p)
+        for (int n = 0; n < 16; ++n) qt[s][h][p][n] = qp[(h * 16 + n) * pairs + s * 16 + p];
+  std::memset(out_t, 0, sizeof(out_t));
+  // per query half h: its lengths, the running maximum in use (log2 units; finite, so that rows
+  // with no keys yet make no NaNs) and the sum of weights
+  const __m512i len[2] = {_mm512_load_si512(len32), _mm512_load_si512(len32 + 16)};
+  __m512 m[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504f);  // scores to log2 units
+  const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int64_t padded = (max_len + 31) / 32 * 32, seen_by_all = min_len & ~int64_t{1};
+  auto visible = [&](int64_t key, int h) { return _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), len[h]); };
+  for (int64_t c0 = 0; c0 < padded; c0 += kAmxChunk) {
+    // keys [c0, c0 + open) are seen by every query of the tile: no masks there
+    const int64_t n = std::min(kAmxChunk, padded - c0), open = std::clamp<int64_t>(seen_by_all - c0, 0, n);
+    memory_fence_for_tiles();
+    // scores^T: 32 keys x 32 queries a step (C tiles 0-3: four independent sums)
+    for (int64_t j = 0; j < n; j += 32) {
+      const c10::BFloat16* k = keys + (c0 + j) * dim;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s)
+        tile_product_2x2(k + 32 * s, k + 16 * dim + 32 * s, dim * 2, &qt[s][0][0][0], &qt[s][1][0][0], 64);
+      store_tiles_2x2(&st[j][0]);
+    }
+    // this chunk's maximum per query; the outputs are rescaled only when it passes the one in use
+    __m512 top[2];
+    __mmask16 grew = 0;
+    for (int h = 0; h < 2; ++h) {
+      // four running maxima (one would wait on each max's latency); keys from open & ~3 on masked
+      __m512 p0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), p1 = p0, p2 = p0, p3 = p0;
+      int64_t t = 0;
+      for (; t + 4 <= open; t += 4) {
+        p0 = _mm512_max_ps(p0, _mm512_load_ps(&st[t][16 * h]));
+        p1 = _mm512_max_ps(p1, _mm512_load_ps(&st[t + 1][16 * h]));
+        p2 = _mm512_max_ps(p2, _mm512_load_ps(&st[t + 2][16 * h]));
+        p3 = _mm512_max_ps(p3, _mm512_load_ps(&st[t + 3][16 * h]));
+      }
+      for (; t < n; ++t) p0 = _mm512_mask_max_ps(p0, visible(c0 + t, h), p0, _mm512_load_ps(&st[t][16 * h]));
+      top[h] = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(p0, p1), _mm512_max_ps(p2, p3)), scale2);
+      grew |= _mm512_cmp_ps_mask(top[h], _mm512_add_ps(m[h], _mm512_set1_ps(kAmxSlack)), _CMP_GT_OQ);
+    }
+    if (grew != 0) {
+      __m512 factor[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 next = _mm512_max_ps(m[h], top[h]);
+        factor[h] = exp2_16(_mm512_max_ps(_mm512_sub_ps(m[h], next), _mm512_set1_ps(-200.f)));
+        l[h] = _mm512_mul_ps(l[h], factor[h]);
+        m[h] = next;
+      }
+      for (int64_t d = 0; d < dim; ++d)
+        for (int h = 0; h < 2; ++h) _mm512_store_ps(&out_t[d][16 * h], _mm512_mul_ps(_mm512_load_ps(&out_t[d][16 * h]), factor[h]));
+    }
+    // weights 2^(scale2 * s - m), zero where the query may not see the key, as bf16 key pairs
+    for (int h = 0; h < 2; ++h) {
+      const __m512 shift = _mm512_sub_ps(_mm512_setzero_ps(), m[h]);
+      for (int64_t t = 0; t < n; t += 2) {
+        __m512 e0 = exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&st[t][16 * h]), scale2, shift));
+        __m512 e1 = exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&st[t + 1][16 * h]), scale2, shift));
+        if (t >= open) {
+          e0 = _mm512_maskz_mov_ps(visible(c0 + t, h), e0);
+          e1 = _mm512_maskz_mov_ps(visible(c0 + t + 1, h), e1);
+        }
+        l[h] = _mm512_add_ps(l[h], _mm512_add_ps(e0, e1));
+        _mm512_store_si512(&pt[t / 2][16 * h], _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+      }
+    }
+    memory_fence_for_tiles();
+    // outputs^T += values^T x weights^T, two 16-dim slices at a time (C tiles 0-3)
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+      load_tiles_2x2(&out_t[d0][0]);
+      for (int64_t j = 0; j < n; j += 32) {
+        const c10::BFloat16* v = values_t + (c0 + j) * dim + d0 * 32;  // this 32-key block's [dim][32]
+        tile_product_2x2(v, v + 16 * 32, 64, &pt[j / 2][0], &pt[j / 2][16], 128);
+      }
+      store_tiles_2x2(&out_t[d0][0]);
+    }
+  }
+  alignas(64) float mf[32], lf[32];
+  for (int h = 0; h < 2; ++h) {
+    _mm512_store_ps(mf + 16 * h, m[h]);
+    _mm512_store_ps(lf + 16 * h, l[h]);
+  }
+  for (int r = 0; r < 32; ++r) {
+    const float inv = row_len[r] > 0 ? 1.f / lf[r] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] = out_t[d][r] * inv;
+    if (lse != nullptr && row_len[r] > 0) lse[r] = mf[r] * 0.69314718f + std::log(lf[r]);
+  }
+}
+#endif
+
+static std::atomic<bool> amx_on{true};  // set_amx turns the tile path off (tests, benchmarks)
+
+static bool use_amx() {
+#if defined(KVSERVE_AMX)
+  return amx_permitted() && amx_on.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
 
 // Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
 // values) writes sequence b's KV head h: as float32, keys transposed [dim][stride] and values
@@ -1023,7 +1201,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / kv_heads, h = job % kv_heads, stride = padded[b];
       fill(b, h, lens[b], stride, keys_t.data() + base[b] + h * stride * words,
-           values.data() + base[b] + h * stride * words);
+           values.data() + base[b] + h * stride * words, kAmx);
     }
   });
   // Phase 2: tiles of RB query rows (row = position * group + head in group). Causal tiles
@@ -1034,8 +1212,11 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
   for (int64_t b = 0; b < batch; ++b) max_stride = std::max(max_stride, padded[b]);
   at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
     std::vector<Word> qw(RB * words);
-    std::vector<float> acc(RB * dim), scores(RB * max_stride);
-    std::vector<uint32_t> probs(kPairs ? RB * max_stride / 2 : 0);
+    std::vector<float> acc(RB * dim), scores(kAmx ? 0 : RB * max_stride);  // the AMX kernel keeps its own
+    std::vector<uint32_t> probs(kPairs && !kAmx ? RB * max_stride / 2 : 0);
+#if defined(KVSERVE_AMX)
+    if constexpr (kAmx) configure_tiles();  // per thread
+#endif
     int64_t row_len[RB];
     float lse[RB];
     for (int64_t k = begin; k < end; ++k) {
@@ -1062,9 +1243,9 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
       const Word* kt = keys_t.data() + base[b] + h * stride * words;
       const Word* vs = values.data() + base[b] + h * stride * words;
       if constexpr (kAmx) {
-#if defined(__AVX512BF16__)  // only instantiated where it is defined (paged_prefill_attention)
-        prefill_rows_amx<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data(),
-                                 lse);
+#if defined(KVSERVE_AMX)  // only instantiated where it is defined (run_prefill)
+        static_assert(RB == 32, "the AMX kernel takes 32 query rows");
+        prefill_rows_amx<NV>(qw.data(), row_len, kt, vs, scale, acc.data(), lse);
 #endif
       } else if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
@@ -1081,7 +1262,9 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
         if (lse_out != nullptr) lse_out[(b * query_len + i) * heads + h * group + g] = lse[r];
       }
     }
-    if constexpr (kAmx) at::native::cpublas::brgemm_release();  // this thread's tile configuration
+#if defined(KVSERVE_AMX)
+    if constexpr (kAmx) _tile_release();  // this thread's tile state
+#endif
   });
 }
 
@@ -1095,7 +1278,7 @@ static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* ou
                         bool causal = true, float* lse_out = nullptr) {
   auto launch = [&](auto nv) {  // dim = 16 * NV
     constexpr int NV = decltype(nv)::value;
-#if defined(__AVX512BF16__)
+#if defined(KVSERVE_AMX)
     if constexpr (kPairs) {
       if (use_amx())
         return prefill_kernel<T, NV, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len,
@@ -1134,15 +1317,16 @@ static bool prefill_into(O* out, int64_t out_stride, const torch::Tensor& q, con
     };
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
+      auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp,
+                            bool amx) {
         fill_bf16_pairs([&](int64_t pos) { return row_at(b, h, pos); },
-                        [&](int64_t pos) { return row_at(b, kv_heads + h, pos); }, len, stride, dim, kp, vp);
+                        [&](int64_t pos) { return row_at(b, kv_heads + h, pos); }, len, stride, dim, kp, vp, amx);
       };
       return run_prefill<T, true>(q.data_ptr<T>(), q.stride(0), lens.data_ptr<int64_t>(), out, out_stride,
                                   tables.size(0), query_len, heads, kv_heads, dim, scale, fill_pairs, causal, lse_out);
     }
 #endif
-    auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
+    auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs, bool) {
       for (int64_t pos = 0; pos < len; ++pos) {
         const T* krow = row_at(b, h, pos);
         for (int64_t d = 0; d < dim; ++d) kt[d * stride + pos] = static_cast<float>(krow[d]);
@@ -2004,7 +2188,8 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
       else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         // bf16 queries: the bf16 prefill kernel over the rows dequantized and rounded to bf16
         // (2^-9 relative, finer than any quantized format's step), in place of float32 FMAs
-        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp) {
+        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp,
+                            bool amx) {
           thread_local std::vector<float> tile;
           thread_local std::vector<c10::BFloat16> keys, values;
           tile.resize(bs * dim);
@@ -2017,7 +2202,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
             from_float(tile.data(), values.data() + blk * bs * dim, n * dim);
           }
           fill_bf16_pairs([&](int64_t pos) { return keys.data() + pos * dim; },
-                          [&](int64_t pos) { return values.data() + pos * dim; }, len, stride, dim, kp, vp);
+                          [&](int64_t pos) { return values.data() + pos * dim; }, len, stride, dim, kp, vp, amx);
         };
         done = run_prefill<scalar_t, true>(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(),
                                            out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
@@ -2026,7 +2211,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
 #endif
 #if defined(__AVX512F__)
       else {
-        auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs) {
+        auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs, bool) {
           thread_local std::vector<float> tile;
           tile.resize(bs * dim);
           for (int64_t blk = 0; blk * bs < len; ++blk) {
