@@ -23,7 +23,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import vllm_child_result
+from throughput import vllm_prompts_result
 from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
@@ -123,12 +122,9 @@ def export_hf_folder(loaded: LoadedModel, dest: Path) -> Path:
 
 
 def run_vllm(python: str, folder: Path, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        json.dump(prompts, file)
-    result = vllm_child_result([python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder),
-                                "--prompts-json", file.name, "--max-tokens", str(max_tokens), "--dtype", "float32",
-                                "--repeats", str(repeats), "--max-model-len", "4096", "--block-size", "16"],
-                               VLLM_CPU_KVCACHE_SPACE="1")
+    result = vllm_prompts_result(python, folder, prompts, ["--max-tokens", str(max_tokens), "--dtype", "float32",
+                                                           "--repeats", str(repeats), "--max-model-len", "4096",
+                                                           "--block-size", "16"], VLLM_CPU_KVCACHE_SPACE="1")
     median = statistics.median(result["times"])
     return {**result, "median_s": median, "tokens_per_s": result["output_tokens"] / median}
 

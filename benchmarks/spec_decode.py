@@ -27,7 +27,6 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import export_hf_folder, vllm_child_result
+from throughput import export_hf_folder, vllm_prompts_result
 from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
@@ -125,15 +124,12 @@ def finish(rows: list[dict[str, Any]], max_tokens: int) -> None:
 
 def run_vllm(python: str, folder: Path, prompts: list[list[int]], args: argparse.Namespace,
              spec: dict[str, Any] | None) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        json.dump(prompts, file)
-    cmd = [python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder), "--prompts-json",
-           file.name, "--max-tokens", str(args.max_tokens), "--dtype", "bfloat16", "--repeats", str(args.repeats),
-           "--max-model-len", "2048", "--block-size", "32", "--prefix-caching",
-           "--tpot-batches", ",".join(map(str, args.batches))]
+    runner_args = ["--max-tokens", str(args.max_tokens), "--dtype", "bfloat16", "--repeats", str(args.repeats),
+                   "--max-model-len", "2048", "--block-size", "32", "--prefix-caching",
+                   "--tpot-batches", ",".join(map(str, args.batches))]
     if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    return vllm_child_result(cmd, VLLM_CPU_KVCACHE_SPACE="1")
+        runner_args += ["--speculative-config", json.dumps(spec)]
+    return vllm_prompts_result(python, folder, prompts, runner_args, VLLM_CPU_KVCACHE_SPACE="1")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,17 @@ def vllm_child_result(cmd: list[str], **env_vars: str) -> dict[str, Any]:
             result: dict[str, Any] = json.loads(line[7:])
             return result
     raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
+
+
+def vllm_prompts_result(python: str, folder: str | Path, prompts: list[list[int]], args: list[str],
+                        **env_vars: str) -> dict[str, Any]:
+    """vllm_runner.py over these token-id prompts (a temporary JSON file, removed after) with the
+    runner's further ``args``; the JSON of its "RESULT " line."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(prompts, file)
+        file.flush()
+        return vllm_child_result([python, str(Path(__file__).with_name("vllm_runner.py")), "--model", str(folder),
+                                  "--prompts-json", file.name, *args], **env_vars)
 
 
 def run_vllm(python: str, work: Workload, dtype: str, repeats: int, folder: Path) -> dict[str, Any]:
