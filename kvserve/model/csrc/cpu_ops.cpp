@@ -852,84 +852,113 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 }
 
 #if defined(__AVX512BF16__)
-// Softmax weights of `rows` unscaled score rows, each over its row_len keys, left unnormalized:
-// exp(scale * (s - max)) rounded to bf16 into probs_p ([rows][stride/2] words: bf16 j, j+1 ... in
-// order, so pair jp = keys 2jp, 2jp+1), zero from row_len to padded; inv[r] = 1 / the row's sum of
-// float32 weights and, where given, lse[r] its log-sum-exp of the scaled scores. Callers scale each
-// output row by inv once: one pass over a row's keys here instead of the four (scale, max,
-// exponentials, normalization) of scaling and softmaxing first.
-static void softmax_weights_to_pairs(int64_t rows, const int64_t* row_len, const float* scores, int64_t stride,
-                                     int64_t padded, float scale, uint32_t* probs_p, float* inv, float* lse) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = scores + r * stride;
-    uint32_t* pr = probs_p + r * (stride / 2);
-    const int64_t len = row_len[r];
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(len - i), row + i));
-    const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale : 0.f;
-    const __m512 shift = _mm512_set1_ps(-top);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < padded; j += 32) {
-      const __m512 e0 = _mm512_maskz_mov_ps(tail_mask(len - j), exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vscale, shift)));
-      const __m512 e1 = _mm512_maskz_mov_ps(tail_mask(len - j - 16),
-                                            exp16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j + 16), vscale, shift)));
-      vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
-    const float total = _mm512_reduce_add_ps(vsum);
-    inv[r] = len > 0 ? 1.f / total : 0.f;
-    if (lse != nullptr && len > 0) lse[r] = top + std::log(total);
-  }
+constexpr float kSoftmaxSlack = 12.f;  // log2 units: a flash kernel's unnormalized weights stay below 2^12
+
+// 2^y for 16 lanes of finite y (any size: scalef flushes to 0 or infinity): 2^floor(y) (scalef)
+// times 1 + f (c1 + f (c2 + f (c3 + f c4))) for the fraction f = y - floor(y) (vreduceps),
+// weighted least squares on [0, 1): relative error < 3e-6, far below the 2^-9 of the bf16
+// weights made from it; exactly 1 at y = 0.
+static inline __m512 exp2_16(__m512 y) {
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(0.01342655f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0522409f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24128269f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693044f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, y);
 }
 
-// prefill_rows for bf16 pools in AVX512-BF16 dot products. Keys are bf16 pairs transposed,
-// [dim/2][stride] (pair i of key j: its elements 2i, 2i+1), values key pairs, [stride/2][dim]
-// (pair jp at dim d: keys 2jp and 2jp+1 there), the query unscaled bf16 pairs (exact; the scale
-// goes on the scores): one vdpbf16ps is 16 keys x 2 dims of the scores, or 16 dims x 2 keys of
-// the output, where the float32 path's FMA does 16 x 1. Probabilities are rounded to bf16 for
-// the values (as SDPA's flash path does for bf16): 2^-9 relative per weight.
+constexpr int64_t kFlashChunk = 256;  // keys per online-softmax step: a tile's scores stay in L1
+
+// prefill_rows for bf16 pools in AVX512-BF16 dot products, as a flash kernel: keys go by
+// kFlashChunk at a time with a running maximum per row (log2 units), the outputs rescaled only
+// when a chunk's maximum passes the one in use by more than kSoftmaxSlack. Keys are bf16 pairs
+// per 32-key tile, [stride/32][dim/2][32] (pair i of key j: its elements 2i, 2i+1; each tile one
+// contiguous read), values key pairs, [stride/2][dim] (pair jp at dim d: keys 2jp and 2jp+1
+// there), the query unscaled bf16 pairs (exact; the scale goes on the scores): one vdpbf16ps is
+// 16 keys x 2 dims of the scores, or 16 dims x 2 keys of the output, where the float32 path's
+// FMA does 16 x 1. Weights are rounded to bf16 for the values (as SDPA's flash path does for
+// bf16): 2^-9 relative per weight. acc is the RB rows' accumulator, normalized at the end.
 template <int NV, int RB>
-static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p, int64_t stride,
-                              const uint32_t* values_p, float scale, float* scores, uint32_t* probs_p, float* acc,
-                              float* lse) {
+static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p,
+                              const uint32_t* values_p, float scale, float* acc, float* lse) {
   constexpr int64_t dim = NV * 16, pairs = dim / 2;
+  alignas(64) float scores[RB][kFlashChunk];
+  alignas(64) uint32_t weights[RB][kFlashChunk / 2];  // bf16 key pairs
+  float top_in_use[RB], total[RB];
   int64_t max_len = 0;
-  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  for (int r = 0; r < RB; ++r) {
+    max_len = std::max(max_len, row_len[r]);
+    top_in_use[r] = -1e30f;  // finite: a first chunk's rescale factor is 2^-200 = 0, not NaN
+    total[r] = 0.f;
+  }
+  std::fill(acc, acc + RB * dim, 0.f);
   const int64_t padded = (max_len + 31) / 32 * 32;  // <= stride: the kernel pads sequences to 32
-  for (int64_t tile = 0; tile < padded; tile += 32) {  // 32 keys a pass: each broadcast query pair serves two
-    __m512 s[RB][2];
-    for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    const uint32_t* col = keys_p + tile;
-    for (int64_t i = 0; i < pairs; ++i) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(col + i * stride);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(col + i * stride + 16);
+  const float scale2 = scale * 1.44269504f;  // scores to log2 units
+  for (int64_t c0 = 0; c0 < padded; c0 += kFlashChunk) {
+    const int64_t n = std::min(kFlashChunk, padded - c0);
+    for (int64_t j = 0; j < n; j += 32) {  // 32 keys a pass: each broadcast query pair serves two
+      __m512 s[RB][2];
+      for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+      const uint32_t* tile = keys_p + (c0 + j) * pairs;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + 32 * i);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + 32 * i + 16);
+        for (int r = 0; r < RB; ++r) {
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
+          s[r][0] = _mm512_dpbf16_ps(s[r][0], qv, k0);
+          s[r][1] = _mm512_dpbf16_ps(s[r][1], qv, k1);
+        }
+      }
       for (int r = 0; r < RB; ++r) {
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
-        s[r][0] = _mm512_dpbf16_ps(s[r][0], qv, k0);
-        s[r][1] = _mm512_dpbf16_ps(s[r][1], qv, k1);
+        _mm512_store_ps(&scores[r][j], s[r][0]);
+        _mm512_store_ps(&scores[r][j + 16], s[r][1]);
       }
     }
     for (int r = 0; r < RB; ++r) {
-      _mm512_storeu_ps(scores + r * stride + tile, s[r][0]);
-      _mm512_storeu_ps(scores + r * stride + tile + 16, s[r][1]);
+      const int64_t len = row_len[r] - c0;  // the row sees this chunk's keys [0, len)
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < std::min(n, len); t += 16)
+        vmax = _mm512_mask_max_ps(vmax, tail_mask(len - t), vmax, _mm512_load_ps(&scores[r][t]));
+      const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale2 : -std::numeric_limits<float>::infinity();
+      if (top > top_in_use[r] + kSoftmaxSlack) {
+        const float factor = std::exp2(std::max(top_in_use[r] - top, -200.f));
+        total[r] *= factor;
+        for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= factor;
+        top_in_use[r] = top;
+      }
+      const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(-top_in_use[r]);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; t += 32) {
+        const __m512 e0 = _mm512_maskz_mov_ps(tail_mask(len - t),
+                                              exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t]), vscale, shift)));
+        const __m512 e1 = _mm512_maskz_mov_ps(tail_mask(len - t - 16),
+                                              exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t + 16]), vscale, shift)));
+        vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+        _mm512_store_si512(&weights[r][t / 2], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      total[r] += _mm512_reduce_add_ps(vsum);
     }
-  }
-  float inv[RB];
-  softmax_weights_to_pairs(RB, row_len, scores, stride, padded, scale, probs_p, inv, lse);
-  __m512 a[RB][NV];
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
-  for (int64_t jp = 0; jp < padded / 2; ++jp) {
-    __m512bh v[NV];
-    for (int i = 0; i < NV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(values_p + jp * dim + 16 * i);
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs_p[r * (stride / 2) + jp]));
-      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], p, v[i]);
+    __m512 a[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc + r * dim + 16 * i);
+    const uint32_t* vp = values_p + c0 / 2 * dim;
+    for (int64_t jp = 0; jp < n / 2; ++jp) {
+      __m512bh v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vp + jp * dim + 16 * i);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][jp]));
+        for (int i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], p, v[i]);
+      }
     }
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
   }
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, _mm512_mul_ps(a[r][i], _mm512_set1_ps(inv[r])));
+  for (int r = 0; r < RB; ++r) {
+    const float inv = row_len[r] > 0 ? 1.f / total[r] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= inv;
+    if (lse != nullptr && row_len[r] > 0) lse[r] = top_in_use[r] * 0.69314718f + std::log(total[r]);
+  }
 }
 
 // One bf16 pool row pair interleaved for prefill_rows_bf16's values: out[d] = (r0[d], r1[d]).
@@ -947,12 +976,12 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
   }
 }
 
-// One (sequence, KV head)'s len keys and values in prefill_rows_bf16's layout (keys [dim/2][stride]
-// pairs, values [stride/2][dim] key pairs), or with amx_layout in prefill_rows_amx's (keys as
+// One (sequence, KV head)'s len keys and values in prefill_rows_bf16's layout (keys
+// [stride/32][dim/2][32] pairs, values [stride/2][dim] key pairs), or with amx_layout in prefill_rows_amx's (keys as
 // rows [stride][dim], values transposed per 32 keys, [stride/32][dim][32]), from bf16 rows
 // key(pos) and value(pos).
 template <typename KeyRow, typename ValueRow>
-static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t len, int64_t stride, int64_t dim,
+static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t len, int64_t dim,
                             uint32_t* kp, uint32_t* vp, bool amx_layout) {
   if (amx_layout) {
     auto* values_t = reinterpret_cast<uint16_t*>(vp);
@@ -964,9 +993,10 @@ static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t le
     }
     return;
   }
-  for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose: pair i of key pos
+  for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose per 32-key tile: pair i of key pos
     const uint32_t* krow = reinterpret_cast<const uint32_t*>(key(pos));
-    for (int64_t i = 0; i < dim / 2; ++i) kp[i * stride + pos] = krow[i];
+    uint32_t* tile = kp + (pos & ~int64_t{31}) * dim / 2 + (pos & 31);
+    for (int64_t i = 0; i < dim / 2; ++i) tile[i * 32] = krow[i];
   }
   for (int64_t pos = 0; pos < len; pos += 2)
     interleave_bf16_rows(value(pos), pos + 1 < len ? value(pos + 1) : nullptr, vp + pos / 2 * dim, dim);
@@ -982,13 +1012,12 @@ static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t le
 // += values^T x weights^T: values^T (per 32 keys a [dim][32] bf16 block, from the fill) as A, the
 // bf16 weights of key pairs as B. Keys go by in chunks of kAmxChunk with a running maximum per
 // query (flash attention's online softmax); the outputs are rescaled only when a chunk's maximum
-// passes the one in use by more than kAmxSlack, which after the first chunk is rare.
+// passes the one in use by more than kSoftmaxSlack, which after the first chunk is rare.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVSERVE_AMX 1
 #include <sys/syscall.h>
 
 constexpr int64_t kAmxChunk = 256;
-constexpr float kAmxSlack = 12.f;  // log2 units: unnormalized weights stay below 2^12
 
 // Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM for XTILEDATA).
 static bool amx_permitted() {
@@ -1039,20 +1068,6 @@ static inline void load_tiles_2x2(const float* rows) {
   _tile_loadd(1, rows + 16, 128);
   _tile_loadd(2, rows + 16 * 32, 128);
   _tile_loadd(3, rows + 16 * 32 + 16, 128);
-}
-
-// 2^y for 16 lanes of finite y (any size: scalef flushes to 0 or infinity): 2^floor(y) (scalef)
-// times 1 + f (c1 + f (c2 + f (c3 + f c4))) for the fraction f = y - floor(y) (vreduceps),
-// weighted least squares on [0, 1): relative error < 3e-6, far below the 2^-9 of the bf16
-// weights made from it; exactly 1 at y = 0.
-static inline __m512 exp2_16(__m512 y) {
-  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(0.01342655f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0522409f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24128269f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693044f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, y);
 }
 
 template <int NV>
@@ -1116,7 +1131,7 @@ static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const u
       }
       for (; t < n; ++t) p0 = _mm512_mask_max_ps(p0, visible(c0 + t, h), p0, _mm512_load_ps(&st[t][16 * h]));
       top[h] = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(p0, p1), _mm512_max_ps(p2, p3)), scale2);
-      grew |= _mm512_cmp_ps_mask(top[h], _mm512_add_ps(m[h], _mm512_set1_ps(kAmxSlack)), _CMP_GT_OQ);
+      grew |= _mm512_cmp_ps_mask(top[h], _mm512_add_ps(m[h], _mm512_set1_ps(kSoftmaxSlack)), _CMP_GT_OQ);
     }
     if (grew != 0) {
       __m512 factor[2];
@@ -1179,8 +1194,8 @@ static bool use_amx() {
 
 // Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
 // values) writes sequence b's KV head h: as float32, keys transposed [dim][stride] and values
-// [len][dim]; with kPairs (bf16 pools, prefill_rows_bf16), keys [dim/2][stride] and values
-// [stride/2][dim] of bf16 pairs. Buffers start zeroed, so columns past len weigh nothing.
+// [len][dim]; with kPairs (bf16 pools), bf16 pairs in prefill_rows_bf16's layout (or, with kAmx,
+// prefill_rows_amx's: fill_bf16_pairs). Buffers start zeroed, so columns past len weigh nothing.
 // Not causal: every query sees all len keys of its sequence (a cascade's shared prefix). With
 // lse_out ([batch * query_len, heads] float32), each query row's log-sum-exp goes there too.
 template <typename T, int NV, int RB, bool kPairs, bool kAmx, typename O, typename Fill>
@@ -1212,8 +1227,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
   for (int64_t b = 0; b < batch; ++b) max_stride = std::max(max_stride, padded[b]);
   at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
     std::vector<Word> qw(RB * words);
-    std::vector<float> acc(RB * dim), scores(kAmx ? 0 : RB * max_stride);  // the AMX kernel keeps its own
-    std::vector<uint32_t> probs(kPairs && !kAmx ? RB * max_stride / 2 : 0);
+    std::vector<float> acc(RB * dim), scores(kPairs ? 0 : RB * max_stride);  // the bf16 kernels keep their own
 #if defined(KVSERVE_AMX)
     if constexpr (kAmx) configure_tiles();  // per thread
 #endif
@@ -1249,8 +1263,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
 #endif
       } else if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, stride, vs, scale, scores.data(), probs.data(), acc.data(),
-                                  lse);
+        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, vs, scale, acc.data(), lse);
 #endif
       } else {
         prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data(), lse);
@@ -1317,10 +1330,10 @@ static bool prefill_into(O* out, int64_t out_stride, const torch::Tensor& q, con
     };
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp,
+      auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t /*stride*/, uint32_t* kp, uint32_t* vp,
                             bool amx) {
         fill_bf16_pairs([&](int64_t pos) { return row_at(b, h, pos); },
-                        [&](int64_t pos) { return row_at(b, kv_heads + h, pos); }, len, stride, dim, kp, vp, amx);
+                        [&](int64_t pos) { return row_at(b, kv_heads + h, pos); }, len, dim, kp, vp, amx);
       };
       return run_prefill<T, true>(q.data_ptr<T>(), q.stride(0), lens.data_ptr<int64_t>(), out, out_stride,
                                   tables.size(0), query_len, heads, kv_heads, dim, scale, fill_pairs, causal, lse_out);
@@ -2188,7 +2201,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
       else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         // bf16 queries: the bf16 prefill kernel over the rows dequantized and rounded to bf16
         // (2^-9 relative, finer than any quantized format's step), in place of float32 FMAs
-        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t stride, uint32_t* kp, uint32_t* vp,
+        auto fill_pairs = [&](int64_t b, int64_t h, int64_t len, int64_t /*stride*/, uint32_t* kp, uint32_t* vp,
                             bool amx) {
           thread_local std::vector<float> tile;
           thread_local std::vector<c10::BFloat16> keys, values;
@@ -2202,7 +2215,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
             from_float(tile.data(), values.data() + blk * bs * dim, n * dim);
           }
           fill_bf16_pairs([&](int64_t pos) { return keys.data() + pos * dim; },
-                          [&](int64_t pos) { return values.data() + pos * dim; }, len, stride, dim, kp, vp, amx);
+                          [&](int64_t pos) { return values.data() + pos * dim; }, len, dim, kp, vp, amx);
         };
         done = run_prefill<scalar_t, true>(q.data_ptr<scalar_t>(), q.stride(0), lens.data_ptr<int64_t>(),
                                            out.data_ptr<scalar_t>(), out.stride(0), tables.size(0), query_len, heads,
