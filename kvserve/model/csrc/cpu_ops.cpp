@@ -853,6 +853,11 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 
 #if defined(__AVX512BF16__)
 constexpr float kSoftmaxSlack = 12.f;  // log2 units: a flash kernel's unnormalized weights stay below 2^12
+constexpr float kLog2e = 1.44269504f;  // scaled scores to the flash kernels' log2 units
+
+// A flash kernel row's log-sum-exp (natural log, of the scaled scores) from its maximum in use
+// (log2 units) and its sum of weights 2^(score - maximum).
+static inline float log_sum_exp_of(float top_log2, float total) { return top_log2 * 0.69314718f + std::log(total); }
 
 // 2^y for 16 lanes of finite y (any size: scalef flushes to 0 or infinity): 2^floor(y) (scalef)
 // times 1 + f (c1 + f (c2 + f (c3 + f c4))) for the fraction f = y - floor(y) (vreduceps),
@@ -894,7 +899,7 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
   }
   std::fill(acc, acc + RB * dim, 0.f);
   const int64_t padded = (max_len + 31) / 32 * 32;  // <= stride: the kernel pads sequences to 32
-  const float scale2 = scale * 1.44269504f;  // scores to log2 units
+  const float scale2 = scale * kLog2e;
   for (int64_t c0 = 0; c0 < padded; c0 += kFlashChunk) {
     const int64_t n = std::min(kFlashChunk, padded - c0);
     for (int64_t j = 0; j < n; j += 32) {  // 32 keys a pass: each broadcast query pair serves two
@@ -957,7 +962,7 @@ static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const 
   for (int r = 0; r < RB; ++r) {
     const float inv = row_len[r] > 0 ? 1.f / total[r] : 0.f;
     for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= inv;
-    if (lse != nullptr && row_len[r] > 0) lse[r] = top_in_use[r] * 0.69314718f + std::log(total[r]);
+    if (lse != nullptr && row_len[r] > 0) lse[r] = log_sum_exp_of(top_in_use[r], total[r]);
   }
 }
 
@@ -977,9 +982,9 @@ static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t
 }
 
 // One (sequence, KV head)'s len keys and values in prefill_rows_bf16's layout (keys
-// [stride/32][dim/2][32] pairs, values [stride/2][dim] key pairs), or with amx_layout in prefill_rows_amx's (keys as
-// rows [stride][dim], values transposed per 32 keys, [stride/32][dim][32]), from bf16 rows
-// key(pos) and value(pos).
+// [stride/32][dim/2][32] pairs, values [stride/2][dim] key pairs), or with amx_layout in
+// prefill_rows_amx's (keys as rows [stride][dim], values transposed per 32 keys,
+// [stride/32][dim][32]), from bf16 rows key(pos) and value(pos).
 template <typename KeyRow, typename ValueRow>
 static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t len, int64_t dim,
                             uint32_t* kp, uint32_t* vp, bool amx_layout) {
@@ -1096,7 +1101,7 @@ static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const u
   // with no keys yet make no NaNs) and the sum of weights
   const __m512i len[2] = {_mm512_load_si512(len32), _mm512_load_si512(len32 + 16)};
   __m512 m[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504f);  // scores to log2 units
+  const __m512 scale2 = _mm512_set1_ps(scale * kLog2e);
   const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int64_t padded = (max_len + 31) / 32 * 32, seen_by_all = min_len & ~int64_t{1};
@@ -1177,7 +1182,7 @@ static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const u
   for (int r = 0; r < 32; ++r) {
     const float inv = row_len[r] > 0 ? 1.f / lf[r] : 0.f;
     for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] = out_t[d][r] * inv;
-    if (lse != nullptr && row_len[r] > 0) lse[r] = mf[r] * 0.69314718f + std::log(lf[r]);
+    if (lse != nullptr && row_len[r] > 0) lse[r] = log_sum_exp_of(mf[r], lf[r]);
   }
 }
 #endif
