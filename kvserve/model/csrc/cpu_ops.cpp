@@ -134,8 +134,9 @@ static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Into L2. asm, not _mm_prefetch: GCC 12 deleted _mm_prefetch loops in some inlining shapes.
 static inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(static_cast<const char*>(p)[off]));
 }
 
 // Whether the first KV head's decode job should pull each next block of a sequence (all heads)
@@ -1557,6 +1558,26 @@ struct QuantPool {
   }
 };
 
+// A quantized decode job's software prefetch, called as the key pass starts rows [pos, pos + m)
+// (within one block) of head h: those rows' values, for the value pass (which then runs from L2),
+// and the key rows kAheadRows further on (blocks are scattered, so the hardware's prefetchers
+// stop at each block's end). 16 rows at a time, not a whole block: a 16-row group of int8 keys
+// is scored faster than memory answers, so one block ahead at 16-token blocks measured 1.2x
+// slower cold than 64 rows (EPYC); `end` is where the coded rows stop.
+static inline void prefetch_key_pass(const QuantPool& pool, const int64_t* table, int64_t h, int64_t pos, int64_t m,
+                                     int64_t end) {
+  constexpr int64_t kAheadRows = 64;
+  const int64_t bs = pool.block_size, rb = pool.row_bytes;
+  auto rows_at = [&](int64_t j, int64_t p) { return pool.data + table[p / bs] * pool.block_bytes() + (j * bs + p % bs) * rb; };
+  auto keys_from = [&](int64_t p) {  // up to m rows, not past p's block or end
+    if (p < end) prefetch_row(rows_at(h, p), std::min({m, bs - p % bs, end - p}) * rb);
+  };
+  prefetch_row(rows_at(pool.kv_heads + h, pos), m * rb);
+  if (pos == 0)
+    for (int64_t p = m; p < kAheadRows; p += m) keys_from(p);
+  keys_from(pos + kAheadRows);
+}
+
 // Decode over a quantized pool for one (sequence, KV head), vector path for dim = 16 * NV.
 // Quantized kinds are read straight from the pool's bytes, with the scales folded outside the
 // per-element work: keys' per-channel scales (int4: steps) multiply the query once per block
@@ -1704,15 +1725,19 @@ using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_
                           float*);
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// int8 and int4 pools on CPUs with AVX512-VNNI: the dot products in integers, 32 products per
-// vpdpwssd. Keys: the query times the keys' per-channel scales (int4: the block's steps, its
-// minimums adding q·min to the block's scores) is rounded to int16 in units of its largest
-// element / 32767 (an error 2^-16 of it, far below the codes' own rounding), each key row widened
-// to int16, and 16 rows' sums reduced together. Values: each block's probabilities times the
-// values' scales (per token; int4: per token and group of 32 channels) are rounded to int16 in
-// units of the block's largest / 32767, and two tokens' rows interleaved, so one vpdpwssd adds both
-// to 16 dims. int32 sums are exact (a block of 256 tokens stays below 2^30); each block's are
-// scaled back into float32.
+// int8 and int4 pools on CPUs with AVX512-VNNI: the dot products in integers. Keys: the query
+// times the keys' per-channel scales (int4: the block's steps, its minimums adding q·min to the
+// block's scores) is rounded to 16 bits in units of its largest element / 32639 (an error 2^-16 of
+// it, far below the codes' own rounding) and split into two signed bytes, q = 256 hi + lo; 16 key
+// rows at a time are transposed in registers as unsigned bytes (int8: code + 128, taken back out
+// as 128 sum(q); int4: the nibbles), so one vpdpbusd adds 4 channels' products for 16 rows at
+// once, with no horizontal sums: 2 per 4 channels, against the 16-bit path's widening, 1 per 2
+// channels and a 16-lane reduction per row and query head (which measured half the kernel).
+// Values: each block's probabilities times the values' scales (per token; int4: per token and
+// group of 32 channels) are rounded to int16 in units of the block's largest / 32767, and two
+// tokens' rows interleaved, so one vpdpwssd adds both to 16 dims. int32 sums are exact (a block
+// of 256 tokens stays below 2^30; the keys' hi sums may wrap at head_dim 256, the combined score
+// does not, and wrapping int32 adds are exact modulo 2^32); each block's are scaled back into float32.
 template <int KIND, int NB>
 static inline void widen_codes(const uint8_t* row, __m512i (&out)[NB]) {
   if constexpr (KIND == kI8) {
@@ -1727,17 +1752,84 @@ static inline void widen_codes(const uint8_t* row, __m512i (&out)[NB]) {
   }
 }
 
-// x[0, 16 * n) in int16 units of max|x| / 32767 (returned), 32 per vector, in order; n even.
-static inline float round_to_int16(const float* x, int64_t n, __m512i* out) {
+// x[0, 16 * n) rounded to q = round(x / u), u = max|x| / 32639 (returned), as two signed bytes
+// each, q = 256 hi + lo (hi = (q + 128) >> 8 in [-127, 127], lo in [-128, 127]): hi and lo [16 * n]
+// in channel order; *sum = the sum of the q.
+static inline float round_to_byte_pairs(const float* x, int64_t n, int8_t* hi, int8_t* lo, int32_t* sum) {
   __m512 top = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)));
   const float largest = _mm512_reduce_max_ps(top);
-  const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 32767.f / largest : 0.f);
-  auto narrow = [&](int64_t i) {  // saturating: a value rounding to 32768 stays 32767
-    return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inverse)));
-  };
-  for (int64_t i = 0; i < n; i += 2) out[i / 2] = _mm512_inserti64x4(_mm512_castsi256_si512(narrow(i)), narrow(i + 1), 1);
-  return largest / 32767.f;
+  const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 32639.f / largest : 0.f);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inverse));
+    const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * i), _mm512_cvtepi32_epi8(high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * i),
+                     _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(high, 8))));
+    total = _mm512_add_epi32(total, q);
+  }
+  *sum = _mm512_reduce_add_epi32(total);
+  return largest / 32639.f;
+}
+
+// acc + the dot products of a's unsigned bytes with the 4 signed bytes at b, in every lane: the
+// broadcast folded into vpdpbusd's memory operand (GCC 12 emits a separate vpbroadcastd, which
+// measured ~40% slower here on an EPYC).
+static inline __m512i dpbusd_broadcast(__m512i acc, __m512i a, const int32_t* b) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*b));
+  return acc;
+}
+
+// acc + the dot products of a's int16 pairs with the pair at b, in every lane (as dpbusd_broadcast).
+static inline __m512i dpwssd_broadcast(__m512i acc, __m512i a, const int32_t* b) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*b));
+  return acc;
+}
+
+// x[r] dword d -> x[d] dword r: a 16 x 16 transpose of 32-bit elements in 64 shuffles.
+static inline void transpose16x16_epi32(__m512i (&x)[16]) {
+  __m512i t[16];
+  for (int a = 0; a < 4; ++a) {  // rows 4a..4a+3: x[4a + j] 128-bit lane L = those rows' dword 4L + j
+    const __m512i* r = x + 4 * a;
+    const __m512i p0 = _mm512_unpacklo_epi32(r[0], r[1]), p1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i p2 = _mm512_unpacklo_epi32(r[2], r[3]), p3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    t[4 * a] = _mm512_unpacklo_epi64(p0, p2);
+    t[4 * a + 1] = _mm512_unpackhi_epi64(p0, p2);
+    t[4 * a + 2] = _mm512_unpacklo_epi64(p1, p3);
+    t[4 * a + 3] = _mm512_unpackhi_epi64(p1, p3);
+  }
+  for (int j = 0; j < 4; ++j) {  // the 128-bit lanes of t[j], t[4 + j], t[8 + j], t[12 + j] transposed
+    const __m512i v0 = _mm512_shuffle_i32x4(t[j], t[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(t[j], t[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(t[8 + j], t[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(t[8 + j], t[12 + j], 0xEE);
+    x[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    x[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    x[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    x[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// Channels [64c, 64c + 64) of 16 key rows (the first m of them real: the others repeat row m - 1,
+// their scores unused) as unsigned bytes (int8: code + 128; int4: the nibble), transposed: out[i]
+// dword r = row r's channels 64c + 4i .. 64c + 4i + 3. C = head_dim / 64.
+template <int KIND, int C>
+static inline void key_bytes_transposed(const uint8_t* rows, int64_t rb, int m, int c, __m512i (&out)[16]) {
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = rows + std::min(r, m - 1) * rb;
+    if constexpr (KIND == kI8) {
+      out[r] = _mm512_xor_si512(_mm512_loadu_si512(row + 64 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
+    } else if constexpr (C == 1) {  // int4, 32 bytes: channels 0-31 low nibbles, 32-63 high
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      const __m256i low = _mm256_and_si256(b, _mm256_set1_epi8(15));
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
+      out[r] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    } else {  // int4: channel d in byte d's low nibble, d + dim/2 in its high one
+      const __m512i b = _mm512_loadu_si512(row + 64 * (c % (C / 2)));
+      out[r] = _mm512_and_si512(c < C / 2 ? b : _mm512_srli_epi16(b, 4), _mm512_set1_epi8(15));
+    }
+  }
+  transpose16x16_epi32(out);
 }
 
 template <int KIND, int NB, int G>
@@ -1752,14 +1844,18 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
   __m512 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) q[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
-  __m512i qa[G][NB];
+  constexpr int C = NB / 2;  // 64-channel chunks of a key row
+  alignas(64) int8_t qbytes[G][2][dim];  // q * key_scale as hi and lo bytes (round_to_byte_pairs)
   float unit[G], bias[G] = {};
-  auto round_query = [&](const float* key_scale) {  // qa = q * key_scale in int16
+  __m512i offset[G];  // int8: 128 times the sum of q, from the codes' + 128
+  auto round_query = [&](const float* key_scale) {
     float scaled[dim];
     for (int g = 0; g < G; ++g) {
       for (int i = 0; i < NV; ++i)
         _mm512_storeu_ps(scaled + 16 * i, _mm512_mul_ps(q[g][i], _mm512_loadu_ps(key_scale + 16 * i)));
-      unit[g] = round_to_int16(scaled, NV, qa[g]);
+      int32_t sum;
+      unit[g] = round_to_byte_pairs(scaled, NV, qbytes[g][0], qbytes[g][1], &sum);
+      offset[g] = _mm512_set1_epi32(KIND == kI8 ? 128 * sum : 0);
     }
   };
   if (KIND == kI8 && !pool.key_per_block) round_query(pool.key_scales + h * dim);
@@ -1781,29 +1877,29 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
     } else if (pool.key_per_block) {
       round_query(pool.key_scales + (block * kv_heads + h) * dim);
     }
-    // blocks are scattered: fetch the next key tile ahead, and this value tile for the value pass
-    if (blk + 1 < coded) prefetch_row(head_keys + table[blk + 1] * pool.block_bytes(), tile_bytes);
-    prefetch_row(head_values + block * pool.block_bytes(), tile_bytes);
     const uint8_t* rows = head_keys + block * pool.block_bytes();
     for (int64_t r0 = 0; r0 < n; r0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, n - r0));
-      __m512 part[G][16];
-      for (int r = 0; r < 16; ++r) {
-        if (r >= m) {
-          for (int g = 0; g < G; ++g) part[g][r] = _mm512_setzero_ps();
-          continue;
-        }
-        __m512i k[NB];
-        widen_codes<KIND, NB>(rows + (r0 + r) * rb, k);
+      prefetch_key_pass(pool, table, h, first + r0, m, std::min(len, coded * bs));
+      __m512i high[G], low[G];
+      for (int g = 0; g < G; ++g) high[g] = low[g] = _mm512_setzero_si512();
+      for (int c = 0; c < C; ++c) {
+        __m512i k[16];
+        key_bytes_transposed<KIND, C>(rows + r0 * rb, rb, m, c, k);
         for (int g = 0; g < G; ++g) {
-          __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qa[g][0], k[0]);
-          for (int j = 1; j < NB; ++j) sum = _mm512_dpwssd_epi32(sum, qa[g][j], k[j]);
-          part[g][r] = _mm512_cvtepi32_ps(sum);
+          const int32_t* hi = reinterpret_cast<const int32_t*>(qbytes[g][0]) + 16 * c;
+          const int32_t* lo = reinterpret_cast<const int32_t*>(qbytes[g][1]) + 16 * c;
+          for (int i = 0; i < 16; ++i) {
+            high[g] = dpbusd_broadcast(high[g], k[i], hi + i);
+            low[g] = dpbusd_broadcast(low[g], k[i], lo + i);
+          }
         }
       }
-      for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g) {
+        const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high[g], 8), low[g]), offset[g]);
         _mm512_mask_storeu_ps(probs + g * len + first + r0, tail_mask(m),
-                              _mm512_fmadd_ps(lane_sums16(part[g]), _mm512_set1_ps(unit[g]), _mm512_set1_ps(bias[g])));
+                              _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(unit[g]), _mm512_set1_ps(bias[g])));
+      }
     }
   }
   if (coded < num_blocks) tile_rows<NV, G>(pool, table, coded, len, tail_slot, h, q, probs, tile);
@@ -1871,11 +1967,10 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
       }
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < NB; ++j) {
-          int32_t both;  // tokens t and t + 1's weights for chunk j's group (a zero past n)
-          std::memcpy(&both, weights[g][KIND == kI4 ? j / chunks_per_group : 0] + t, sizeof(both));
-          const __m512i w = _mm512_set1_epi32(both);
-          sums[g][2 * j] = _mm512_dpwssd_epi32(sums[g][2 * j], lo[j], w);
-          sums[g][2 * j + 1] = _mm512_dpwssd_epi32(sums[g][2 * j + 1], hi[j], w);
+          // tokens t and t + 1's weights for chunk j's group (a zero past n)
+          const int32_t* both = reinterpret_cast<const int32_t*>(weights[g][KIND == kI4 ? j / chunks_per_group : 0] + t);
+          sums[g][2 * j] = dpwssd_broadcast(sums[g][2 * j], lo[j], both);
+          sums[g][2 * j + 1] = dpwssd_broadcast(sums[g][2 * j + 1], hi[j], both);
         }
     }
     for (int g = 0; g < G; ++g)
@@ -1980,12 +2075,10 @@ static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_
   for (int64_t blk = 0; blk < coded; ++blk) {
     const int64_t block = table[blk], first = blk * bs, n = std::min(bs, len - first);
     if (pool.key_per_block) round_query(pool.key_scales + (block * kv_heads + h) * dim);
-    // blocks are scattered: fetch the next key tile ahead, and this value tile for the value pass
-    if (blk + 1 < coded) prefetch_row(head_keys + table[blk + 1] * pool.block_bytes(), tile_bytes);
-    prefetch_row(head_values + block * pool.block_bytes(), tile_bytes);
     const uint8_t* rows = head_keys + block * pool.block_bytes();
     for (int64_t r0 = 0; r0 < n; r0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, n - r0));
+      prefetch_key_pass(pool, table, h, first + r0, m, std::min(len, coded * bs));
       __m512i keys[16][NB];  // the rows in bf16 (L1), then scored head by head, as the bf16 kernel does
       for (int r = 0; r < m; ++r)
         for (int c = 0; c < NC; ++c) {
