@@ -1558,6 +1558,14 @@ struct QuantPool {
   }
 };
 
+// Decode over a quantized pool for one (sequence, KV head), vector path for dim = 16 * NV.
+// Quantized kinds are read straight from the pool's bytes, with the scales folded outside the
+// per-element work: keys' per-channel scales (int4: steps) multiply the query once per block
+// (int4's minimums add q·min to the block's scores), a value's per-token scale multiplies its
+// probability. float kinds of another dtype, and a sequence's tail block, go through a float
+// tile. fp8 widens through float16: e5m2 is float16's top byte; e4m3's magnitude bits shifted
+// into float16's exponent/mantissa fields give the value / 256 (subnormals included).
+#if defined(__AVX512F__)
 // A quantized decode job's software prefetch, called as the key pass starts rows [pos, pos + m)
 // (within one block) of head h: those rows' values, for the value pass (which then runs from L2),
 // and the key rows kAheadRows further on (blocks are scattered, so the hardware's prefetchers
@@ -1578,14 +1586,6 @@ static inline void prefetch_key_pass(const QuantPool& pool, const int64_t* table
   keys_from(pos + kAheadRows);
 }
 
-// Decode over a quantized pool for one (sequence, KV head), vector path for dim = 16 * NV.
-// Quantized kinds are read straight from the pool's bytes, with the scales folded outside the
-// per-element work: keys' per-channel scales (int4: steps) multiply the query once per block
-// (int4's minimums add q·min to the block's scores), a value's per-token scale multiplies its
-// probability. float kinds of another dtype, and a sequence's tail block, go through a float
-// tile. fp8 widens through float16: e5m2 is float16's top byte; e4m3's magnitude bits shifted
-// into float16's exponent/mantissa fields give the value / 256 (subnormals included).
-#if defined(__AVX512F__)
 template <int KIND, int NV>
 static inline void load_codes(const uint8_t* row, __m512 (&out)[NV]) {
   if constexpr (KIND == kI8) {
