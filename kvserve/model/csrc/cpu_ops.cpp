@@ -1912,16 +1912,27 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
   constexpr int kMaxGroups = KIND == kI4 ? NB : 1;
   alignas(64) int16_t weights[G][kMaxGroups][256];
   float step[kMaxGroups][256], low[kMaxGroups][256];  // int4: each token's value affine, by group
-  for (int64_t blk = 0; blk < coded; ++blk) {
-    const int64_t block = table[blk], first = blk * bs, n = std::min(bs, len - first);
-    const int64_t token0 = (block * kv_heads + h) * bs;
+  // Value tiles of whole blocks, at 16- and 32-token blocks of 64 tokens (4 or 2 blocks): the
+  // per-tile work (weights rounded to int16, sums scaled back) is then spread over more tokens.
+  const int64_t span = bs % 16 == 0 && bs < 64 ? 64 / bs : 1, coded_len = std::min(len, coded * bs);
+  for (int64_t blk0 = 0; blk0 < coded; blk0 += span) {
+    const int64_t first = blk0 * bs, n = std::min(span * bs, coded_len - first);
+    // token t of the tile: its index in the pool's per-token tables (value scales, int4 affines)
+    auto token_index = [&](int64_t t) { return (table[blk0 + t / bs] * kv_heads + h) * bs + t % bs; };
     if constexpr (KIND == kI4) {
-      const c10::Half* affine = pool.value_affine + token0 * groups * 2;
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t c = 0; c < groups; ++c) {
-          step[c][t] = static_cast<float>(affine[(t * groups + c) * 2]);
-          low[c][t] = static_cast<float>(affine[(t * groups + c) * 2 + 1]);
-        }
+      for (int64_t t0 = 0; t0 < n; t0 += bs) {  // block by block: no division per token
+        const c10::Half* affine = pool.value_affine + token_index(t0) * groups * 2;
+        for (int64_t t = 0; t < std::min(bs, n - t0); ++t)
+          for (int64_t c = 0; c < groups; ++c) {
+            step[c][t0 + t] = static_cast<float>(affine[(t * groups + c) * 2]);
+            low[c][t0 + t] = static_cast<float>(affine[(t * groups + c) * 2 + 1]);
+          }
+      }
+    }
+    const float* chunk_scales[16];  // each 16 tokens' value scales (a chunk lies in one block)
+    if constexpr (KIND != kI4) {
+      for (int64_t t = 0; t < n; t += 16)
+        chunk_scales[t / 16] = pool.value_scales == nullptr ? nullptr : pool.value_scales + token_index(t);
     }
     float wunit[G][kMaxGroups], offset[G][kMaxGroups];
     for (int g = 0; g < G; ++g)
@@ -1936,8 +1947,8 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
             scale = _mm512_maskz_loadu_ps(live, step[c] + t);
             shift = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(live, low[c] + t), shift);
           } else {
-            scale = pool.value_scales == nullptr ? _mm512_set1_ps(pool.v_scale)
-                                                 : _mm512_maskz_loadu_ps(live, pool.value_scales + token0 + t);
+            scale = chunk_scales[t / 16] == nullptr ? _mm512_set1_ps(pool.v_scale)
+                                                    : _mm512_maskz_loadu_ps(live, chunk_scales[t / 16]);
           }
           const __m512 weight = _mm512_maskz_mul_ps(live, p, scale);
           top = _mm512_max_ps(top, _mm512_abs_ps(weight));
@@ -1954,30 +1965,34 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
     __m512i sums[G][NV];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < NV; ++i) sums[g][i] = _mm512_setzero_si512();
-    const uint8_t* rows = head_values + block * pool.block_bytes();
-    for (int64_t t = 0; t < n; t += 2) {
-      __m512i first_row[NB], second_row[NB], lo[NB], hi[NB];
-      widen_codes<KIND, NB>(rows + t * rb, first_row);
-      if (t + 1 < n) widen_codes<KIND, NB>(rows + (t + 1) * rb, second_row);
-      else
-        for (int j = 0; j < NB; ++j) second_row[j] = _mm512_setzero_si512();
-      for (int j = 0; j < NB; ++j) {
-        lo[j] = _mm512_unpacklo_epi16(first_row[j], second_row[j]);
-        hi[j] = _mm512_unpackhi_epi16(first_row[j], second_row[j]);
-      }
-      for (int g = 0; g < G; ++g)
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {  // the tile's blocks
+      const uint8_t* rows = head_values + table[blk0 + t0 / bs] * pool.block_bytes();
+      const int64_t m = std::min(bs, n - t0);
+      for (int64_t t = 0; t < m; t += 2) {
+        __m512i first_row[NB], second_row[NB], lo[NB], hi[NB];
+        widen_codes<KIND, NB>(rows + t * rb, first_row);
+        if (t + 1 < m) widen_codes<KIND, NB>(rows + (t + 1) * rb, second_row);
+        else
+          for (int j = 0; j < NB; ++j) second_row[j] = _mm512_setzero_si512();
         for (int j = 0; j < NB; ++j) {
-          // tokens t and t + 1's weights for chunk j's group (a zero past n)
-          const int32_t* both = reinterpret_cast<const int32_t*>(weights[g][KIND == kI4 ? j / chunks_per_group : 0] + t);
-          sums[g][2 * j] = dpwssd_broadcast(sums[g][2 * j], lo[j], both);
-          sums[g][2 * j + 1] = dpwssd_broadcast(sums[g][2 * j + 1], hi[j], both);
+          lo[j] = _mm512_unpacklo_epi16(first_row[j], second_row[j]);
+          hi[j] = _mm512_unpackhi_epi16(first_row[j], second_row[j]);
         }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < NB; ++j) {
+            // tokens t and t + 1's weights for chunk j's group (a zero past n)
+            const int32_t* both =
+                reinterpret_cast<const int32_t*>(weights[g][KIND == kI4 ? j / chunks_per_group : 0] + t0 + t);
+            sums[g][2 * j] = dpwssd_broadcast(sums[g][2 * j], lo[j], both);
+            sums[g][2 * j + 1] = dpwssd_broadcast(sums[g][2 * j + 1], hi[j], both);
+          }
+      }
     }
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < NV; ++i) {
         const int64_t c = KIND == kI4 ? i / 2 / chunks_per_group : 0;
-        a[g][i] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][i]), _mm512_set1_ps(wunit[g][c]), a[g][i]),
-                                _mm512_set1_ps(KIND == kI4 ? offset[g][c] : 0.f));
+        a[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][i]), _mm512_set1_ps(wunit[g][c]), a[g][i]);
+        if constexpr (KIND == kI4) a[g][i] = _mm512_add_ps(a[g][i], _mm512_set1_ps(offset[g][c]));
       }
   }
   alignas(64) static const int32_t low_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
