@@ -1567,20 +1567,30 @@ struct QuantPool {
 // into float16's exponent/mantissa fields give the value / 256 (subnormals included).
 #if defined(__AVX512F__)
 // A quantized decode job's software prefetch, called as the key pass starts rows [pos, pos + m)
-// (within one block) of head h: those rows' values, for the value pass (which then runs from L2),
-// and the key rows kAheadRows further on (blocks are scattered, so the hardware's prefetchers
-// stop at each block's end). 16 rows at a time, not a whole block: a 16-row group of int8 keys
-// is scored faster than memory answers, so one block ahead at 16-token blocks measured 1.2x
-// slower cold than 64 rows (EPYC); `end` is where the coded rows stop.
+// (within one block) of head h: those rows' values and value scales (int4: affines), for the
+// value pass (which then runs from L2), and the key rows kAheadRows further on, with their
+// block's key scales (int4: affines) where those are per block. Blocks are scattered, so the
+// hardware's prefetchers stop at each block's end. 16 rows at a time, not a whole block: a
+// 16-row group of int8 keys is scored faster than memory answers, so one block ahead at
+// 16-token blocks measured 1.2x slower cold than 64 rows (EPYC); `end` is where the coded rows stop.
 static inline void prefetch_key_pass(const QuantPool& pool, const int64_t* table, int64_t h, int64_t pos, int64_t m,
                                      int64_t end) {
   constexpr int64_t kAheadRows = 64;
   const int64_t bs = pool.block_size, rb = pool.row_bytes;
   auto rows_at = [&](int64_t j, int64_t p) { return pool.data + table[p / bs] * pool.block_bytes() + (j * bs + p % bs) * rb; };
-  auto keys_from = [&](int64_t p) {  // up to m rows, not past p's block or end
-    if (p < end) prefetch_row(rows_at(h, p), std::min({m, bs - p % bs, end - p}) * rb);
+  // a token's index in the per-token tables (value scales, int4 value affines)
+  auto token_at = [&](int64_t p) { return (table[p / bs] * pool.kv_heads + h) * bs + p % bs; };
+  auto keys_from = [&](int64_t p) {  // up to m rows, not past p's block or end; at a block's start its key tables
+    if (p >= end) return;
+    prefetch_row(rows_at(h, p), std::min({m, bs - p % bs, end - p}) * rb);
+    if (p % bs != 0) return;
+    const int64_t head_block = table[p / bs] * pool.kv_heads + h;
+    if (pool.key_affine != nullptr) prefetch_row(pool.key_affine + head_block * 2 * pool.dim, 4 * pool.dim);
+    else if (pool.key_per_block) prefetch_row(pool.key_scales + head_block * pool.dim, 4 * pool.dim);
   };
   prefetch_row(rows_at(pool.kv_heads + h, pos), m * rb);
+  if (pool.value_affine != nullptr) prefetch_row(pool.value_affine + token_at(pos) * pool.groups * 2, m * pool.groups * 4);
+  else if (pool.value_scales != nullptr) prefetch_row(pool.value_scales + token_at(pos), m * 4);
   if (pos == 0)
     for (int64_t p = m; p < kAheadRows; p += m) keys_from(p);
   keys_from(pos + kAheadRows);
