@@ -1743,11 +1743,12 @@ using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_
 // as 128 sum(q); int4: the nibbles), so one vpdpbusd adds 4 channels' products for 16 rows at
 // once, with no horizontal sums: 2 per 4 channels, against the 16-bit path's widening, 1 per 2
 // channels and a 16-lane reduction per row and query head (which measured half the kernel).
-// Values: each block's probabilities times the values' scales (per token; int4: per token and
-// group of 32 channels) are rounded to int16 in units of the block's largest / 32767, and two
-// tokens' rows interleaved, so one vpdpwssd adds both to 16 dims. int32 sums are exact (a block
-// of 256 tokens stays below 2^30; the keys' hi sums may wrap at head_dim 256, the combined score
-// does not, and wrapping int32 adds are exact modulo 2^32); each block's are scaled back into float32.
+// Values: a tile's probabilities times the values' scales (per token; int4: per token and group
+// of 32 channels) are rounded to int16 in units of the tile's largest / 32767 (a tile: a block,
+// or 64 tokens at 16- and 32-token blocks), and two tokens' rows interleaved, so one vpdpwssd
+// adds both to 16 dims. int32 sums are exact (a tile of 256 tokens stays below 2^30; the keys'
+// hi sums may wrap at head_dim 256, the combined score does not, and wrapping int32 adds are
+// exact modulo 2^32); each tile's are scaled back into float32.
 template <int KIND, int NB>
 static inline void widen_codes(const uint8_t* row, __m512i (&out)[NB]) {
   if constexpr (KIND == kI8) {
@@ -1784,8 +1785,9 @@ static inline float round_to_byte_pairs(const float* x, int64_t n, int8_t* hi, i
 }
 
 // acc + the dot products of a's unsigned bytes with the 4 signed bytes at b, in every lane: the
-// broadcast folded into vpdpbusd's memory operand (GCC 12 emits a separate vpbroadcastd, which
-// measured ~40% slower here on an EPYC).
+// broadcast folded into vpdpbusd's memory operand (GCC 12 emits a separate vpbroadcastd for each,
+// which drew ~22% of the int8 kernel's perf samples on an EPYC; hot, the kernel went from about
+// 29 to 25 ns per token without them, in noisy single runs).
 static inline __m512i dpbusd_broadcast(__m512i acc, __m512i a, const int32_t* b) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*b));
   return acc;
