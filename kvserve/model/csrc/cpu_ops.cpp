@@ -1455,6 +1455,16 @@ struct QuantPool {
 
   int64_t block_bytes() const { return 2 * kv_heads * block_size * row_bytes; }
 
+  // A sequence's (table: its block ids) row of head j (K heads, then V heads) at position pos.
+  const uint8_t* row_at(const int64_t* table, int64_t j, int64_t pos) const {
+    return data + table[pos / block_size] * block_bytes() + (j * block_size + pos % block_size) * row_bytes;
+  }
+
+  // Its token at pos in the per-token tables of KV head h (value scales, int4 value affines).
+  int64_t token_index(const int64_t* table, int64_t h, int64_t pos) const {
+    return (table[pos / block_size] * kv_heads + h) * block_size + pos % block_size;
+  }
+
   // Row `src` (one head of one token, row_bytes) unscaled to float32.
   void decode_row(const uint8_t* src, float* dst) const {
     switch (kind) {
@@ -1577,20 +1587,18 @@ static inline void prefetch_key_pass(const QuantPool& pool, const int64_t* table
                                      int64_t end) {
   constexpr int64_t kAheadRows = 64;
   const int64_t bs = pool.block_size, rb = pool.row_bytes;
-  auto rows_at = [&](int64_t j, int64_t p) { return pool.data + table[p / bs] * pool.block_bytes() + (j * bs + p % bs) * rb; };
-  // a token's index in the per-token tables (value scales, int4 value affines)
-  auto token_at = [&](int64_t p) { return (table[p / bs] * pool.kv_heads + h) * bs + p % bs; };
   auto keys_from = [&](int64_t p) {  // up to m rows, not past p's block or end; at a block's start its key tables
     if (p >= end) return;
-    prefetch_row(rows_at(h, p), std::min({m, bs - p % bs, end - p}) * rb);
+    prefetch_row(pool.row_at(table, h, p), std::min({m, bs - p % bs, end - p}) * rb);
     if (p % bs != 0) return;
     const int64_t head_block = table[p / bs] * pool.kv_heads + h;
     if (pool.key_affine != nullptr) prefetch_row(pool.key_affine + head_block * 2 * pool.dim, 4 * pool.dim);
     else if (pool.key_per_block) prefetch_row(pool.key_scales + head_block * pool.dim, 4 * pool.dim);
   };
-  prefetch_row(rows_at(pool.kv_heads + h, pos), m * rb);
-  if (pool.value_affine != nullptr) prefetch_row(pool.value_affine + token_at(pos) * pool.groups * 2, m * pool.groups * 4);
-  else if (pool.value_scales != nullptr) prefetch_row(pool.value_scales + token_at(pos), m * 4);
+  prefetch_row(pool.row_at(table, pool.kv_heads + h, pos), m * rb);
+  const int64_t token = pool.token_index(table, h, pos);
+  if (pool.value_affine != nullptr) prefetch_row(pool.value_affine + token * pool.groups * 2, m * pool.groups * 4);
+  else if (pool.value_scales != nullptr) prefetch_row(pool.value_scales + token, m * 4);
   if (pos == 0)
     for (int64_t p = m; p < kAheadRows; p += m) keys_from(p);
   keys_from(pos + kAheadRows);
@@ -1853,6 +1861,7 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
   const int64_t rb = pool.row_bytes, tile_bytes = bs * rb, groups = pool.groups, chunks_per_group = NB / groups;
   // blocks read as codes; a partial last block kept in full precision goes through a float tile
   const int64_t coded = pool.tail != nullptr && len % bs != 0 ? num_blocks - 1 : num_blocks;
+  const int64_t coded_len = std::min(len, coded * bs);
   __m512 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) q[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
@@ -1892,7 +1901,7 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
     const uint8_t* rows = head_keys + block * pool.block_bytes();
     for (int64_t r0 = 0; r0 < n; r0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, n - r0));
-      prefetch_key_pass(pool, table, h, first + r0, m, std::min(len, coded * bs));
+      prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
       __m512i high[G], low[G];
       for (int g = 0; g < G; ++g) high[g] = low[g] = _mm512_setzero_si512();
       for (int c = 0; c < C; ++c) {
@@ -1926,14 +1935,12 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
   float step[kMaxGroups][256], low[kMaxGroups][256];  // int4: each token's value affine, by group
   // Value tiles of whole blocks, at 16- and 32-token blocks of 64 tokens (4 or 2 blocks): the
   // per-tile work (weights rounded to int16, sums scaled back) is then spread over more tokens.
-  const int64_t span = bs % 16 == 0 && bs < 64 ? 64 / bs : 1, coded_len = std::min(len, coded * bs);
+  const int64_t span = bs % 16 == 0 && bs < 64 ? 64 / bs : 1;
   for (int64_t blk0 = 0; blk0 < coded; blk0 += span) {
     const int64_t first = blk0 * bs, n = std::min(span * bs, coded_len - first);
-    // token t of the tile: its index in the pool's per-token tables (value scales, int4 affines)
-    auto token_index = [&](int64_t t) { return (table[blk0 + t / bs] * kv_heads + h) * bs + t % bs; };
     if constexpr (KIND == kI4) {
       for (int64_t t0 = 0; t0 < n; t0 += bs) {  // block by block: no division per token
-        const c10::Half* affine = pool.value_affine + token_index(t0) * groups * 2;
+        const c10::Half* affine = pool.value_affine + pool.token_index(table, h, first + t0) * groups * 2;
         for (int64_t t = 0; t < std::min(bs, n - t0); ++t)
           for (int64_t c = 0; c < groups; ++c) {
             step[c][t0 + t] = static_cast<float>(affine[(t * groups + c) * 2]);
@@ -1944,7 +1951,8 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
     const float* chunk_scales[16];  // each 16 tokens' value scales (a chunk lies in one block)
     if constexpr (KIND != kI4) {
       for (int64_t t = 0; t < n; t += 16)
-        chunk_scales[t / 16] = pool.value_scales == nullptr ? nullptr : pool.value_scales + token_index(t);
+        chunk_scales[t / 16] =
+            pool.value_scales == nullptr ? nullptr : pool.value_scales + pool.token_index(table, h, first + t);
     }
     float wunit[G][kMaxGroups], offset[G][kMaxGroups];
     for (int g = 0; g < G; ++g)
@@ -2075,6 +2083,7 @@ static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_
   const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs, kv_heads = pool.kv_heads;
   const int64_t rb = pool.row_bytes, tile_bytes = bs * rb;
   const int64_t coded = pool.tail != nullptr && len % bs != 0 ? num_blocks - 1 : num_blocks;
+  const int64_t coded_len = std::min(len, coded * bs);
   // qb = q * key_scale in bf16, in the words' channel order; SPLIT (float32 queries): plus the
   // remainder in qr, so the two products together are exact to ~2^-17
   __m512bh qb[G][NB], qr[G][NB];
@@ -2105,7 +2114,7 @@ static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_
     const uint8_t* rows = head_keys + block * pool.block_bytes();
     for (int64_t r0 = 0; r0 < n; r0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, n - r0));
-      prefetch_key_pass(pool, table, h, first + r0, m, std::min(len, coded * bs));
+      prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
       __m512i keys[16][NB];  // the rows in bf16 (L1), then scored head by head, as the bf16 kernel does
       for (int r = 0; r < m; ++r)
         for (int c = 0; c < NC; ++c) {
