@@ -56,32 +56,55 @@ def _reference(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
+def _vnni_available() -> bool:
+    return int8_linear._vnni_pack(torch.ones(16, 8, dtype=torch.int8), torch.ones(16)) is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("packed", [True, False])
-def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool, packed: bool,
+@pytest.mark.parametrize("path", ["vnni", "onednn", "fallback"])
+@pytest.mark.parametrize("out_features", [72, 144])
+def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool, path: str, out_features: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The oneDNN path (packed weight) and the fallback (_int_mm or float sums, torch ops) both
-    compute the int8 product exactly and round only at the end; and W8A8 stays within ~2% of
-    the float layer."""
-    if packed and int8_linear._onednn_pack(torch.ones(8, 8, dtype=torch.int8)) is None:
+    """The C++ VNNI kernel, the oneDNN path (packed weight) and the fallback (_int_mm or float
+    sums, torch ops) all compute the int8 product exactly and round only at the end; and W8A8
+    stays within ~2% of the float layer. 72 outputs: a partial group of 16 channels; 144: nine
+    groups, so each of two threads runs a 4-group panel and a narrower one; 40 rows: 6-row tiles
+    and a tail."""
+    if path == "vnni" and not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    if path == "onednn" and int8_linear._onednn_pack(torch.ones(8, 8, dtype=torch.int8)) is None:
         pytest.skip("this torch build has no quantized oneDNN linear")
-    if not packed:
+    if path != "vnni":
+        monkeypatch.setattr(int8_linear, "_vnni_pack", lambda codes, scales: None)
+    if path == "fallback":
         monkeypatch.setattr(int8_linear, "_onednn_pack", lambda codes: None)
     torch.manual_seed(0)
-    linear = nn.Linear(96, 80, bias=bias).to(dtype)
+    linear = nn.Linear(96, out_features, bias=bias).to(dtype)
     layer = Int8Linear(linear)
-    assert (layer.packed is not None) == packed and (layer.codes is None) == packed
+    assert (layer.vnni_packed is not None) == (path == "vnni") and (layer.packed is not None) == (path == "onednn")
+    assert (layer.codes is not None) == (path == "fallback")
     for m in (2, 7, 40):  # row 0 is all zeros
         x = _rows(dtype, m, 96).view(1, m, 96)
         out = layer(x)
-        assert out.dtype == dtype and out.shape == (1, m, 80)
+        assert out.dtype == dtype and out.shape == (1, m, out_features)
         ref = _reference(linear, x)
-        tol = ROUNDING[dtype] * ref.abs().amax(dim=-1, keepdim=True)  # rounding of the largest output
+        # rounding of the largest output: the VNNI kernel rounds once, the others twice in bf16
+        tol = ROUNDING[dtype] / (2 if path == "vnni" else 1) * ref.abs().amax(dim=-1, keepdim=True)
         assert ((out.double() - ref).abs() <= tol + 1e-6).all(), (m, (out.double() - ref).abs().max())
         float_out = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None
                                          else linear.bias.float())
         assert ((out.float() - float_out).norm() / float_out.norm()) < 0.02
+
+
+@needs_ops
+def test_vnni_pack_needs_whole_groups_of_four_inputs() -> None:
+    """vpdpbusd reads 4 input channels at a time: in_features % 4 != 0 falls back (to oneDNN)."""
+    if not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    assert int8_linear._vnni_pack(torch.ones(16, 10, dtype=torch.int8), torch.ones(16)) is None
+    layer = Int8Linear(nn.Linear(10, 16))
+    assert layer.vnni_packed is None and (layer.packed is not None or layer.codes is not None)
 
 
 def test_quantize_linears_swaps_all_but_the_skipped() -> None:

@@ -4,8 +4,10 @@ token's activations quantized to int8 at run time, int32 products.
 weight[n, k] ~ codes[n, k] * weight_scale[n] (symmetric, scale = max|row| / 127) and
 x[t, k] ~ x_codes[t, k] * x_scale[t] (the same, per token, at every call), so
 x @ weight.T ~ (x_codes @ codes.T) * x_scale[t] * weight_scale[n]: one int8 GEMM with int32 sums
-(on CPU oneDNN's quantized linear on a weight packed once, VNNI dot products: four
-multiply-adds per 32-bit lane where AVX512-BF16 does two), then one rescale. Per-token
+(VNNI dot products: four multiply-adds per 32-bit lane where AVX512-BF16 does two), then one
+rescale. On CPUs with AVX512-VNNI the whole layer is one C++ call (``int8_linear`` in
+csrc/cpu_ops.cpp, on a weight packed once for it); on other CPUs oneDNN's quantized linear does
+the GEMM on its own packed weight; elsewhere torch's int8 matmul. Per-token
 activation scales follow each token's own range (a per-tensor scale is set by the largest token
 of the batch, e.g. the first token's outliers).
 """
@@ -68,32 +70,54 @@ def _onednn_pack(codes: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _vnni_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """(packed weight, 128 * its channel sums, padded scales) for the C++ int8_linear, or None where
+    the extension or the CPU's AVX512-VNNI is missing (or in_features % 4 != 0). Measured at batch
+    32 over 30 layers of SmolLM2's shapes: 1.5x faster than oneDNN's quantized linear."""
+    op = cpu_op("int8_gemm_pack")
+    packed = op(codes, scales) if op is not None else []
+    return tuple(packed) if packed else None
+
+
 class Int8Linear(nn.Module):
     """nn.Linear's forward in W8A8 (see the module docstring). Output in the input's dtype."""
 
-    codes: torch.Tensor | None  # int8 [out, in] where oneDNN's packed form is unavailable
-    packed: torch.Tensor | None
+    vnni_packed: torch.Tensor | None  # the C++ kernel's packed weight (CPUs with AVX512-VNNI)
+    vnni_comp: torch.Tensor | None
+    packed: torch.Tensor | None  # oneDNN's packed weight (other CPUs)
+    codes: torch.Tensor | None  # int8 [out, in] where neither packed form is available
     weight_scale: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scales = quantize_rows(linear.weight.detach())
-        packed = _onednn_pack(codes)
-        self.register_buffer("codes", codes if packed is None else None)
+        on_cpu = codes.device.type == "cpu"
+        vnni = _vnni_pack(codes, scales) if on_cpu else None
+        # the VNNI kernel's padded weight scales replace the per-channel ones it would not use
+        self.register_buffer("vnni_packed", None if vnni is None else vnni[0])
+        self.register_buffer("vnni_comp", None if vnni is None else vnni[1])
+        packed = _onednn_pack(codes) if vnni is None else None
+        self.register_buffer("codes", codes if vnni is None and packed is None else None)
         self.register_buffer("packed", packed)
-        self.register_buffer("weight_scale", scales)
-        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long, device=codes.device))
+        self.register_buffer("weight_scale", scales if vnni is None else vnni[2])
+        self.register_buffer("zero_points", None if packed is None else
+                             torch.zeros(self.out_features, dtype=torch.long, device=codes.device))
         self.bias = linear.bias
         dtype = linear.weight.dtype
         self._out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # oneDNN's outputs
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
-        on_cpu = codes.device.type == "cpu"
+        self._linear = cpu_op("int8_linear") if vnni is not None else None
         self._quantize = (cpu_op("quantize_rows_int8") if on_cpu else None) or _quantize_rows_torch
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self._linear is not None:
+            bias = None if self.bias is None else self.bias.detach()
+            out = self._linear(rows.contiguous(), self.vnni_packed, self.vnni_comp, self.weight_scale,
+                               self.out_features, bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
             # oneDNN: u8 activations (zero point 128) times the packed weight, scaled per output
