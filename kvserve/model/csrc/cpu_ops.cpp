@@ -920,8 +920,9 @@ static void int8_gemm(const Int8GemmArgs& a, T* out) {
 
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales) {
   // codes int8 [n, k], scales float32 [n] -> (packed int8 [groups, k / 4, 16, 4], comp int32 [groups * 16],
-  // scales float32 [groups * 16]), channels past n zero; empty where this build has no VNNI GEMM or k % 4 != 0
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // scales float32 [groups * 16]), channels past n zero; empty where this build has no VNNI GEMM or k % 4 != 0,
+  // and on CPUs with AMX-INT8, where oneDNN multiplies in tiles (the kernel was not measured against those)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(__AMX_INT8__)
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kChar && scales.numel() == codes.size(0),
               "codes: int8 [n, k], scales: [n]");
   const int64_t n = codes.size(0), k = codes.size(1), groups = (n + 15) / 16;
