@@ -84,6 +84,7 @@ class Int8Linear(nn.Module):
 
     vnni_packed: torch.Tensor | None  # the C++ kernel's packed weight (CPUs with AVX512-VNNI)
     vnni_comp: torch.Tensor | None
+    vnni_bias: torch.Tensor | None
     packed: torch.Tensor | None  # oneDNN's packed weight (other CPUs)
     codes: torch.Tensor | None  # int8 [out, in] where neither packed form is available
     weight_scale: torch.Tensor
@@ -97,6 +98,9 @@ class Int8Linear(nn.Module):
         # the VNNI kernel's padded weight scales replace the per-channel ones it would not use
         self.register_buffer("vnni_packed", None if vnni is None else vnni[0])
         self.register_buffer("vnni_comp", None if vnni is None else vnni[1])
+        # its bias in float32, padded like the scales: once here rather than at every call
+        self.register_buffer("vnni_bias", None if vnni is None or linear.bias is None else
+                             nn.functional.pad(linear.bias.detach().float(), (0, vnni[2].numel() - self.out_features)))
         packed = _onednn_pack(codes) if vnni is None else None
         self.register_buffer("codes", codes if vnni is None and packed is None else None)
         self.register_buffer("packed", packed)
@@ -114,9 +118,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self._linear is not None:
-            bias = None if self.bias is None else self.bias.detach()
             out = self._linear(rows.contiguous(), self.vnni_packed, self.vnni_comp, self.weight_scale,
-                               self.out_features, bias)
+                               self.out_features, self.vnni_bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
