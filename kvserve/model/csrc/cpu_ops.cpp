@@ -628,7 +628,119 @@ static int64_t rope_write_int8_kernel(T* qkv, const float* cos, const float* sin
   });
   return clipped.load();
 }
+
+#if defined(__AVX512F__)
+// The int4 (step, minimum) of values between lo and hi as kv_quant.affine_params stores them
+// (step = max((hi - lo) / 15, 1e-4), both rounded to float16; `lanes` of them stored at step_out
+// and low_out), and widened back: the values codes are made with.
+static inline void int4_affine(__m512 lo, __m512 hi, __mmask16 lanes, c10::Half* step_out, c10::Half* low_out,
+                               __m512& step, __m512& low) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 wide = _mm512_max_ps(_mm512_div_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps(15.f)), _mm512_set1_ps(1e-4f));
+  const __m256i s = _mm512_cvtps_ph(wide, kNearest), l = _mm512_cvtps_ph(lo, kNearest);
+  _mm256_mask_storeu_epi16(step_out, lanes, s);
+  _mm256_mask_storeu_epi16(low_out, lanes, l);
+  step = _mm512_cvtph_ps(s);
+  low = _mm512_cvtph_ps(l);
+}
+
+// 16 int4 codes as kv_quant.int4_codes makes them: round((x - low) / step) (half to even) in [0, 15].
+static inline void int4_codes16(__m512 x, __m512 step, __m512 low, uint8_t* dst) {
+  const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, low), step),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(15.f), _mm512_max_ps(_mm512_setzero_ps(), q));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
+}
+
+// Whole blocks into an int4 pool, bit for bit as Int4KV.quantize_blocks (torch) does: block b's
+// token t is row rows[b * bs + t] of src ([*, 2 * kv_heads, dim], K heads then V heads); keys get a
+// (step, minimum) per channel over the block, values one per token and group of dim / groups
+// channels; codes packed two a byte (channel d low, d + dim / 2 high). One job per (block, head).
+template <typename T>
+static void int4_blocks_kernel(const T* src, const int64_t* rows, const int64_t* block_ids, int64_t num, int64_t bs,
+                               int64_t kv_heads, int64_t dim, int64_t groups, uint8_t* data, c10::Half* key_affine,
+                               c10::Half* value_affine) {
+  const int64_t token = 2 * kv_heads * dim, half = dim / 2, width = dim / groups;
+  at::parallel_for(0, num * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(bs * dim);
+    std::vector<uint8_t> codes(bs * dim);
+    auto load_head = [&](int64_t b, int64_t j) {  // head j of the block's tokens -> x [bs, dim]
+      for (int64_t t = 0; t < bs; ++t) to_float(src + rows[b * bs + t] * token + j * dim, x.data() + t * dim, dim);
+    };
+    auto pack_into = [&](uint8_t* out) {  // codes [bs, dim] -> out [bs, dim / 2]
+      for (int64_t t = 0; t < bs; ++t)
+        for (int64_t d = 0; d < half; ++d)
+          out[t * half + d] = static_cast<uint8_t>(codes[t * dim + d] | (codes[t * dim + half + d] << 4));
+    };
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / kv_heads, h = job % kv_heads, block = block_ids[b];
+      __m512 step, low;
+      load_head(b, h);
+      c10::Half* affine = key_affine + (block * kv_heads + h) * 2 * dim;
+      for (int64_t c = 0; c < dim; c += 16) {
+        __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < bs; ++t) {
+          const __m512 v = _mm512_loadu_ps(x.data() + t * dim + c);
+          lo = _mm512_min_ps(lo, v);
+          hi = _mm512_max_ps(hi, v);
+        }
+        int4_affine(lo, hi, 0xFFFF, affine + c, affine + dim + c, step, low);
+        for (int64_t t = 0; t < bs; ++t) int4_codes16(_mm512_loadu_ps(x.data() + t * dim + c), step, low,
+                                                      codes.data() + t * dim + c);
+      }
+      pack_into(data + (block * 2 * kv_heads + h) * bs * half);
+      load_head(b, kv_heads + h);
+      c10::Half* token_affine = value_affine + (block * kv_heads + h) * bs * groups * 2;
+      for (int64_t t = 0; t < bs; ++t)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* v = x.data() + t * dim + g * width;
+          __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+          for (int64_t c = 0; c < width; c += 16) {
+            lo = _mm512_min_ps(lo, _mm512_loadu_ps(v + c));
+            hi = _mm512_max_ps(hi, _mm512_loadu_ps(v + c));
+          }
+          c10::Half* at = token_affine + (t * groups + g) * 2;
+          int4_affine(_mm512_set1_ps(_mm512_reduce_min_ps(lo)), _mm512_set1_ps(_mm512_reduce_max_ps(hi)), 1, at,
+                      at + 1, step, low);
+          for (int64_t c = 0; c < width; c += 16)
+            int4_codes16(_mm512_loadu_ps(v + c), step, low, codes.data() + t * dim + g * width + c);
+        }
+      pack_into(data + (block * 2 * kv_heads + kv_heads + h) * bs * half);
+    }
+  });
+}
+#endif
 #pragma GCC pop_options
+
+bool quantize_int4_blocks(torch::Tensor src, torch::Tensor rows, torch::Tensor block_ids, torch::Tensor data,
+                          torch::Tensor key_affine, torch::Tensor value_affine) {
+  // Quantizes whole blocks into an int4 pool (int4_blocks_kernel): src [*, 2 * kv_heads, dim]
+  // full-precision rows, rows int64 [blocks * block_size] (each block's tokens in order),
+  // block_ids int64 [blocks]; data uint8 [pool blocks, 2 * kv_heads, block_size, dim / 2],
+  // key_affine float16 [pool blocks, kv_heads, 2, dim], value_affine float16 [pool blocks,
+  // kv_heads, block_size, groups, 2]. False, touching nothing, without AVX-512 or where a channel
+  // group is not whole 16-lane vectors.
+  const int64_t kv_heads = data.size(1) / 2, bs = data.size(2), dim = src.size(2), groups = value_affine.size(3);
+  TORCH_CHECK(src.is_contiguous() && src.size(1) == 2 * kv_heads, "src [rows, 2 * kv_heads, head_dim], contiguous");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && block_ids.scalar_type() == torch::kLong &&
+              rows.numel() == block_ids.numel() * bs, "int64 rows, block_size per block id");
+  TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() && data.size(3) * 2 == dim,
+              "uint8 pool rows of head_dim / 2 bytes");
+  TORCH_CHECK(key_affine.scalar_type() == torch::kHalf && key_affine.is_contiguous() &&
+              value_affine.scalar_type() == torch::kHalf && value_affine.is_contiguous(), "float16 affines");
+#if defined(__AVX512F__)
+  if (dim % 16 != 0 || groups < 1 || dim % groups != 0 || (dim / groups) % 16 != 0) return false;
+  auto row_ids = rows.contiguous(), ids = block_ids.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "quantize_int4_blocks", [&] {
+    int4_blocks_kernel<scalar_t>(src.data_ptr<scalar_t>(), row_ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>(),
+                                 ids.numel(), bs, kv_heads, dim, groups, data.data_ptr<uint8_t>(),
+                                 key_affine.data_ptr<c10::Half>(), value_affine.data_ptr<c10::Half>());
+  });
+  return true;
+#else
+  return false;
+#endif
+}
 
 void rope_and_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache,
                             torch::Tensor slot_mapping, int64_t heads, torch::Tensor key_scales,
@@ -2585,6 +2697,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "key_scales, value_scales, v_scale, lut, tail, tail_slots, block_tables, seq_lens, query_len, scale)");
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
+  m.def("quantize_int4_blocks", &quantize_int4_blocks,
+        "whole blocks into an int4 pool as Int4KV.quantize_blocks: (src, rows, block_ids, data, key_affine, "
+        "value_affine) -> bool");
   m.def("rope_and_write_kv_int8", &rope_and_write_kv_int8,
         "rope_and_write_kv into an int8 pool: keys by static per-channel scales, values per token: (qkv, cos, sin, "
         "kv_cache, slots, heads, key_scales, value_scales, clipped)");
