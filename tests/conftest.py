@@ -150,6 +150,15 @@ MODEL = "smollm2-135m"
 KEY = "test-key"
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

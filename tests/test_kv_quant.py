@@ -28,6 +28,7 @@ from kvserve.cache.kv_quant import (
 )
 from kvserve.model.attention import use_decode_kernel
 from kvserve.model.cpu_kernels import cpu_op
+from tests.conftest import cpu_flags
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 
@@ -193,11 +194,6 @@ def test_blocks_are_quantized_when_full_and_tails_stay_exact(kv_dtype: str, chun
     assert ((got[:full, kv_heads:] - values).abs() <= v_half_step + 1e-5).all()
 
 
-def _cpu_has_avx512() -> bool:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return "avx512f" in flags.split()
-
-
 @pytest.mark.skipif(cpu_op("quantize_int4_blocks") is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads,dim", [(1, 16), (3, 64), (2, 128), (1, 256), (2, 48), (1, 80)])
@@ -223,7 +219,7 @@ def test_int4_block_op_is_the_torch_path_bit_for_bit(dtype: torch.dtype, kv_head
     rows = torch.randperm(src.shape[0])[: len(block_ids) * block_size]
     done = cpu_op("quantize_int4_blocks")(src, rows, block_ids, data, keys, values)
     if not done:
-        assert dim % 16 or (dim // max(1, dim // 32)) % 16 or not _cpu_has_avx512()
+        assert dim % 16 or (dim // max(1, dim // 32)) % 16 or "avx512f" not in cpu_flags()
         assert torch.equal(data, torch_layer.data) and torch.equal(keys, torch_layer.key_scales)
         assert torch.equal(values, torch_layer.value_scales)
         return
