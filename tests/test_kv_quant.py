@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.kv_cache import Int4KV, KVQuantSpec, PoolShape
+from kvserve.cache.kv_cache import Int4KV, Int8BlockKV, KVQuantSpec, PoolShape
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
 from kvserve.cache.kv_quant import (
+    KIND_CODES,
     QMAX,
     affine_params,
     channel_scales,
@@ -194,40 +195,43 @@ def test_blocks_are_quantized_when_full_and_tails_stay_exact(kv_dtype: str, chun
     assert ((got[:full, kv_heads:] - values).abs() <= v_half_step + 1e-5).all()
 
 
-@pytest.mark.skipif(cpu_op("quantize_int4_blocks") is None, reason="no C++ toolchain")
+@pytest.mark.skipif(cpu_op("quantize_blocks") is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads,dim", [(1, 16), (3, 64), (2, 128), (1, 256), (2, 48), (1, 80)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_int4_block_op_is_the_torch_path_bit_for_bit(dtype: torch.dtype, kv_heads: int, dim: int,
-                                                     block_size: int) -> None:
-    """The C++ op that quantizes filled int4 blocks in decode writes the same codes and float16
-    affines as Int4KV.quantize_blocks, bit for bit, from rows picked out of a larger tensor, and
-    touches no other block; where a value group is not whole 16-lane vectors (head_dim 80: two
-    groups of 40) it declines and touches nothing."""
+def test_block_quantize_op_is_the_torch_path_bit_for_bit(kind: str, dtype: torch.dtype, kv_heads: int, dim: int,
+                                                         block_size: int) -> None:
+    """The C++ op that quantizes the blocks filled in a decode step writes the same codes and
+    scales (int4: float16 affines; int8: per-block key scales, per-token value scales) as the
+    format's quantize_blocks in torch, bit for bit, from rows picked out of a larger tensor, and
+    touches no other block; where an int4 value group is not whole 16-lane vectors (head_dim 80:
+    two groups of 40) it declines and touches nothing."""
     torch.manual_seed(dim + block_size)
     shape = PoolShape(12, block_size, kv_heads, dim, dtype, torch.device("cpu"))
-    torch_layer = Int4KV.allocate("int4", shape, KVQuantSpec("int4"), 0, torch.zeros((), dtype=torch.long))
+    layer_class = Int4KV if kind == "int4" else Int8BlockKV
+    torch_layer = layer_class.allocate(kind, shape, KVQuantSpec(kind), 0, torch.zeros((), dtype=torch.long))
     assert torch_layer.key_scales is not None and torch_layer.value_scales is not None
     torch_layer.data.random_(0, 256)
     torch_layer.key_scales.normal_()
     torch_layer.value_scales.normal_()
-    data, keys, values = (t.clone() for t in (torch_layer.data, torch_layer.key_scales, torch_layer.value_scales))
+    reference = (torch_layer.data, torch_layer.key_scales, torch_layer.value_scales)  # updated in place
+    stored = [t.clone() for t in reference]
     src = (torch.randn(5 * block_size + 3, 2 * kv_heads, dim) * torch.rand(1, 1, dim) * 8).to(dtype)
-    src[:, :, 3] = 0.25  # a constant channel: the step's 1e-4 floor
-    src[::7, :, 9] *= 300  # outliers: float16 rounds the minimum
+    src[:, :, 3] = 0.25  # a constant channel: int4's step floor (1e-4)
+    src[:, :, 5] = 0.0  # an all-zero channel: int8's scale floor (1e-8)
+    src[::7, :, 9] *= 300  # outliers: float16 rounds int4's minimum
     block_ids = torch.tensor([7, 2, 10])
     rows = torch.randperm(src.shape[0])[: len(block_ids) * block_size]
-    done = cpu_op("quantize_int4_blocks")(src, rows, block_ids, data, keys, values)
+    done = cpu_op("quantize_blocks")(src, rows, block_ids, KIND_CODES[kind], *stored)
     if not done:
-        assert dim % 16 or (dim // max(1, dim // 32)) % 16 or "avx512f" not in cpu_flags()
-        assert torch.equal(data, torch_layer.data) and torch.equal(keys, torch_layer.key_scales)
-        assert torch.equal(values, torch_layer.value_scales)
+        assert (kind == "int4" and dim == 80) or "avx512f" not in cpu_flags()
+        assert all(torch.equal(got, want) for got, want in zip(stored, reference, strict=True))
         return
     stage = src[rows].view(len(block_ids), block_size, 2 * kv_heads, dim)
     torch_layer.quantize_blocks(stage[:, :, :kv_heads], stage[:, :, kv_heads:], block_ids)
-    assert torch.equal(data, torch_layer.data)
-    assert torch.equal(keys.view(torch.int16), torch_layer.key_scales.view(torch.int16))
-    assert torch.equal(values.view(torch.int16), torch_layer.value_scales.view(torch.int16))
+    for got, want in zip(stored, reference, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_skip_layers_stay_in_the_model_dtype(tiny_model_factory: Callable[..., Path]) -> None:

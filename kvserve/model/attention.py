@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kvserve.cache.kv_cache import Int4KV, Int8StaticKV, KVWriteIndex, LayerKV, TailKV, TailPlan
+from kvserve.cache.kv_cache import Int4KV, Int8BlockKV, Int8StaticKV, KVWriteIndex, LayerKV, TailKV, TailPlan
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
 
@@ -95,15 +95,15 @@ def _write_op(name: str, *args: object) -> object:
 
 
 def _quantize_filled(layer: TailKV, plan: TailPlan) -> None:
-    """Quantizes the blocks that filled in this step from their tail slots: int4 in one C++ op
-    (bit for bit the torch path, whose ~30 small ops per layer took ~10% of an int4 decode step
-    at 32 x 2,048), other formats (or where the op declines) in torch."""
+    """Quantizes the blocks that filled in this step from their tail slots: int4, and int8 with
+    per-block key scales, in one C++ op (bit for bit the torch path, whose ~30 small ops per layer
+    took ~10% of an int4 decode step at 32 x 2,048), else (or where the op declines) in torch."""
     if not plan.block_ids.numel():
         return
-    if isinstance(layer, Int4KV):
+    if isinstance(layer, Int4KV | Int8BlockKV) and layer.value_scale_override is None:
         assert layer.tail is not None and layer.key_scales is not None and layer.value_scales is not None
-        if _write_op("quantize_int4_blocks", layer.tail.view(-1, *layer.tail.shape[2:]), plan.fill_rows,
-                     plan.block_ids, layer.data, layer.key_scales, layer.value_scales):
+        if _write_op("quantize_blocks", layer.tail.view(-1, *layer.tail.shape[2:]), plan.fill_rows, plan.block_ids,
+                     KIND_CODES[layer.kind], layer.data, layer.key_scales, layer.value_scales):
             return
     layer.quantize_filled_from_tail(plan)
 

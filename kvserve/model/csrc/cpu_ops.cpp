@@ -552,6 +552,9 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 
 // The int8 write must store exactly what kv_quant.quantize stores (a fused and an unfused step
 // then cache the same bytes): true float32 divisions, not -ffast-math's reciprocals.
+// How a KV pool stores its elements (kv_quant.KIND_CODES).
+enum KVKind : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4, kI8 = 5, kI4 = 6 };
+
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 // int8 code of x / scale as kv_quant.quantize makes it: float32 division, round half to even, clipped to +-127.
@@ -652,89 +655,135 @@ static inline void int4_codes16(__m512 x, __m512 step, __m512 low, uint8_t* dst)
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
 }
 
-// Whole blocks into an int4 pool, bit for bit as Int4KV.quantize_blocks (torch) does: block b's
-// token t is row rows[b * bs + t] of src ([*, 2 * kv_heads, dim], K heads then V heads); keys get a
+// One (block, KV head) of whole int4 blocks, as Int4KV.quantize_blocks: keys [bs, dim] get a
 // (step, minimum) per channel over the block, values one per token and group of dim / groups
-// channels; codes packed two a byte (channel d low, d + dim / 2 high). One job per (block, head).
-template <typename T>
-static void int4_blocks_kernel(const T* src, const int64_t* rows, const int64_t* block_ids, int64_t num, int64_t bs,
-                               int64_t kv_heads, int64_t dim, int64_t groups, uint8_t* data, c10::Half* key_affine,
-                               c10::Half* value_affine) {
-  const int64_t token = 2 * kv_heads * dim, half = dim / 2, width = dim / groups;
-  at::parallel_for(0, num * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(bs * dim);
-    std::vector<uint8_t> codes(bs * dim);
-    auto load_head = [&](int64_t b, int64_t j) {  // head j of the block's tokens -> x [bs, dim]
-      for (int64_t t = 0; t < bs; ++t) to_float(src + rows[b * bs + t] * token + j * dim, x.data() + t * dim, dim);
-    };
-    auto pack_into = [&](uint8_t* out) {  // codes [bs, dim] -> out [bs, dim / 2]
-      for (int64_t t = 0; t < bs; ++t)
-        for (int64_t d = 0; d < half; ++d)
-          out[t * half + d] = static_cast<uint8_t>(codes[t * dim + d] | (codes[t * dim + half + d] << 4));
-    };
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / kv_heads, h = job % kv_heads, block = block_ids[b];
-      __m512 step, low;
-      load_head(b, h);
-      c10::Half* affine = key_affine + (block * kv_heads + h) * 2 * dim;
-      for (int64_t c = 0; c < dim; c += 16) {
-        __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < bs; ++t) {
-          const __m512 v = _mm512_loadu_ps(x.data() + t * dim + c);
-          lo = _mm512_min_ps(lo, v);
-          hi = _mm512_max_ps(hi, v);
-        }
-        int4_affine(lo, hi, 0xFFFF, affine + c, affine + dim + c, step, low);
-        for (int64_t t = 0; t < bs; ++t) int4_codes16(_mm512_loadu_ps(x.data() + t * dim + c), step, low,
-                                                      codes.data() + t * dim + c);
+// channels; codes packed two a byte (channel d low, d + dim / 2 high).
+static void int4_block_head(const float* keys, const float* values, int64_t block, int64_t h, int64_t bs,
+                            int64_t kv_heads, int64_t dim, int64_t groups, uint8_t* data, c10::Half* key_affine,
+                            c10::Half* value_affine) {
+  const int64_t half = dim / 2, width = dim / groups;
+  thread_local std::vector<uint8_t> codes;
+  codes.resize(bs * dim);
+  auto pack_into = [&](uint8_t* out) {  // codes [bs, dim] -> out [bs, dim / 2]
+    for (int64_t t = 0; t < bs; ++t)
+      for (int64_t d = 0; d < half; ++d)
+        out[t * half + d] = static_cast<uint8_t>(codes[t * dim + d] | (codes[t * dim + half + d] << 4));
+  };
+  __m512 step, low;
+  c10::Half* affine = key_affine + (block * kv_heads + h) * 2 * dim;
+  for (int64_t c = 0; c < dim; c += 16) {
+    __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < bs; ++t) {
+      lo = _mm512_min_ps(lo, _mm512_loadu_ps(keys + t * dim + c));
+      hi = _mm512_max_ps(hi, _mm512_loadu_ps(keys + t * dim + c));
+    }
+    int4_affine(lo, hi, 0xFFFF, affine + c, affine + dim + c, step, low);
+    for (int64_t t = 0; t < bs; ++t) int4_codes16(_mm512_loadu_ps(keys + t * dim + c), step, low, &codes[t * dim + c]);
+  }
+  pack_into(data + (block * 2 * kv_heads + h) * bs * half);
+  c10::Half* token_affine = value_affine + (block * kv_heads + h) * bs * groups * 2;
+  for (int64_t t = 0; t < bs; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* v = values + t * dim + g * width;
+      __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < width; c += 16) {
+        lo = _mm512_min_ps(lo, _mm512_loadu_ps(v + c));
+        hi = _mm512_max_ps(hi, _mm512_loadu_ps(v + c));
       }
-      pack_into(data + (block * 2 * kv_heads + h) * bs * half);
-      load_head(b, kv_heads + h);
-      c10::Half* token_affine = value_affine + (block * kv_heads + h) * bs * groups * 2;
-      for (int64_t t = 0; t < bs; ++t)
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* v = x.data() + t * dim + g * width;
-          __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
-          for (int64_t c = 0; c < width; c += 16) {
-            lo = _mm512_min_ps(lo, _mm512_loadu_ps(v + c));
-            hi = _mm512_max_ps(hi, _mm512_loadu_ps(v + c));
-          }
-          c10::Half* at = token_affine + (t * groups + g) * 2;
-          int4_affine(_mm512_set1_ps(_mm512_reduce_min_ps(lo)), _mm512_set1_ps(_mm512_reduce_max_ps(hi)), 1, at,
-                      at + 1, step, low);
-          for (int64_t c = 0; c < width; c += 16)
-            int4_codes16(_mm512_loadu_ps(v + c), step, low, codes.data() + t * dim + g * width + c);
-        }
-      pack_into(data + (block * 2 * kv_heads + kv_heads + h) * bs * half);
+      c10::Half* at = token_affine + (t * groups + g) * 2;
+      int4_affine(_mm512_set1_ps(_mm512_reduce_min_ps(lo)), _mm512_set1_ps(_mm512_reduce_max_ps(hi)), 1, at, at + 1,
+                  step, low);
+      for (int64_t c = 0; c < width; c += 16) int4_codes16(_mm512_loadu_ps(v + c), step, low, &codes[t * dim + g * width + c]);
+    }
+  pack_into(data + (block * 2 * kv_heads + kv_heads + h) * bs * half);
+}
+
+// One (block, KV head) of whole int8 blocks with per-block key scales, as Int8BlockKV.quantize_blocks:
+// a key scale per channel, max(max |k| over the block / 127, 1e-8), and one per token for values.
+static void int8_block_head(const float* keys, const float* values, int64_t block, int64_t h, int64_t bs,
+                            int64_t kv_heads, int64_t dim, int8_t* data, float* key_scales, float* value_scales) {
+  float* scale = key_scales + (block * kv_heads + h) * dim;
+  for (int64_t c = 0; c < dim; c += 16) {
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t t = 0; t < bs; ++t) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(keys + t * dim + c)));
+    _mm512_storeu_ps(scale + c, _mm512_max_ps(_mm512_div_ps(top, _mm512_set1_ps(127.f)), _mm512_set1_ps(1e-8f)));
+  }
+  int8_t* key_rows = data + (block * 2 * kv_heads + h) * bs * dim;
+  int8_t* value_rows = data + (block * 2 * kv_heads + kv_heads + h) * bs * dim;
+  for (int64_t t = 0; t < bs; ++t) {
+    int8_codes(keys + t * dim, scale, true, dim, key_rows + t * dim, false);
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(values + t * dim + c)));
+    const float token_scale = std::max(_mm512_reduce_max_ps(top) / 127.f, 1e-8f);
+    value_scales[(block * kv_heads + h) * bs + t] = token_scale;
+    int8_codes(values + t * dim, &token_scale, false, dim, value_rows + t * dim, false);
+  }
+}
+
+// Whole blocks from full-precision rows: block b's token t is row rows[b * bs + t] of src
+// ([*, 2 * kv_heads, dim], K heads then V heads); quantize(block, h, keys, values) gets head h's
+// keys and values [bs, dim] in float32. One job per (block, head).
+template <typename T, typename Quantize>
+static void tail_blocks_driver(const T* src, const int64_t* rows, const int64_t* block_ids, int64_t num, int64_t bs,
+                               int64_t kv_heads, int64_t dim, const Quantize& quantize) {
+  const int64_t token = 2 * kv_heads * dim;
+  at::parallel_for(0, num * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys(bs * dim), values(bs * dim);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / kv_heads, h = job % kv_heads;
+      for (int64_t t = 0; t < bs; ++t) {
+        const T* row = src + rows[b * bs + t] * token;
+        to_float(row + h * dim, keys.data() + t * dim, dim);
+        to_float(row + (kv_heads + h) * dim, values.data() + t * dim, dim);
+      }
+      quantize(block_ids[b], h, keys.data(), values.data());
     }
   });
 }
 #endif
 #pragma GCC pop_options
 
-bool quantize_int4_blocks(torch::Tensor src, torch::Tensor rows, torch::Tensor block_ids, torch::Tensor data,
-                          torch::Tensor key_affine, torch::Tensor value_affine) {
-  // Quantizes whole blocks into an int4 pool (int4_blocks_kernel): src [*, 2 * kv_heads, dim]
+bool quantize_blocks(torch::Tensor src, torch::Tensor rows, torch::Tensor block_ids, int64_t kind, torch::Tensor data,
+                     torch::Tensor key_scales, torch::Tensor value_scales) {
+  // Quantizes whole blocks into an int4 pool, or an int8 one with per-block key scales, bit for
+  // bit as the torch path (Int4KV / Int8BlockKV.quantize_blocks): src [*, 2 * kv_heads, dim]
   // full-precision rows, rows int64 [blocks * block_size] (each block's tokens in order),
-  // block_ids int64 [blocks]; data uint8 [pool blocks, 2 * kv_heads, block_size, dim / 2],
-  // key_affine float16 [pool blocks, kv_heads, 2, dim], value_affine float16 [pool blocks,
-  // kv_heads, block_size, groups, 2]. False, touching nothing, without AVX-512 or where a channel
-  // group is not whole 16-lane vectors.
-  const int64_t kv_heads = data.size(1) / 2, bs = data.size(2), dim = src.size(2), groups = value_affine.size(3);
+  // block_ids int64 [blocks]; data uint8 [pool blocks, 2 * kv_heads, block_size, row bytes];
+  // int4: key_scales (step, minimum) float16 [pool blocks, kv_heads, 2, dim], value_scales
+  // float16 [pool blocks, kv_heads, block_size, groups, 2]; int8: float32 [pool blocks,
+  // kv_heads, dim] and [pool blocks, kv_heads, block_size, 1]. False, touching nothing, without
+  // AVX-512 or where channels (an int4 value group) are not whole 16-lane vectors.
+  const int64_t kv_heads = data.size(1) / 2, bs = data.size(2), dim = src.size(2);
+  TORCH_CHECK(kind == kI4 || kind == kI8, "int4 or int8 pools");
   TORCH_CHECK(src.is_contiguous() && src.size(1) == 2 * kv_heads, "src [rows, 2 * kv_heads, head_dim], contiguous");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && block_ids.scalar_type() == torch::kLong &&
               rows.numel() == block_ids.numel() * bs, "int64 rows, block_size per block id");
-  TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() && data.size(3) * 2 == dim,
-              "uint8 pool rows of head_dim / 2 bytes");
-  TORCH_CHECK(key_affine.scalar_type() == torch::kHalf && key_affine.is_contiguous() &&
-              value_affine.scalar_type() == torch::kHalf && value_affine.is_contiguous(), "float16 affines");
+  TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() &&
+              data.size(3) == (kind == kI4 ? dim / 2 : dim), "uint8 pool rows of the kind's row bytes");
+  TORCH_CHECK(key_scales.scalar_type() == (kind == kI4 ? torch::kHalf : torch::kFloat) && key_scales.is_contiguous() &&
+              value_scales.scalar_type() == key_scales.scalar_type() && value_scales.is_contiguous(),
+              "contiguous scales: float16 affines for int4, float32 scales for int8");
 #if defined(__AVX512F__)
+  const int64_t groups = kind == kI4 ? value_scales.size(3) : 1;
   if (dim % 16 != 0 || groups < 1 || dim % groups != 0 || (dim / groups) % 16 != 0) return false;
   auto row_ids = rows.contiguous(), ids = block_ids.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "quantize_int4_blocks", [&] {
-    int4_blocks_kernel<scalar_t>(src.data_ptr<scalar_t>(), row_ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>(),
-                                 ids.numel(), bs, kv_heads, dim, groups, data.data_ptr<uint8_t>(),
-                                 key_affine.data_ptr<c10::Half>(), value_affine.data_ptr<c10::Half>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "quantize_blocks", [&] {
+    const scalar_t* from = src.data_ptr<scalar_t>();
+    const int64_t *row_ptr = row_ids.data_ptr<int64_t>(), *id_ptr = ids.data_ptr<int64_t>(), num = ids.numel();
+    uint8_t* codes = data.data_ptr<uint8_t>();
+    if (kind == kI4) {
+      c10::Half *key_affine = key_scales.data_ptr<c10::Half>(), *value_affine = value_scales.data_ptr<c10::Half>();
+      tail_blocks_driver(from, row_ptr, id_ptr, num, bs, kv_heads, dim, [&](int64_t block, int64_t h, const float* k,
+                                                                             const float* v) {
+        int4_block_head(k, v, block, h, bs, kv_heads, dim, groups, codes, key_affine, value_affine);
+      });
+    } else {
+      float *ks = key_scales.data_ptr<float>(), *vs = value_scales.data_ptr<float>();
+      tail_blocks_driver(from, row_ptr, id_ptr, num, bs, kv_heads, dim, [&](int64_t block, int64_t h, const float* k,
+                                                                             const float* v) {
+        int8_block_head(k, v, block, h, bs, kv_heads, dim, reinterpret_cast<int8_t*>(codes), ks, vs);
+      });
+    }
   });
   return true;
 #else
@@ -1717,7 +1766,6 @@ bool cascade_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
 // query's. Attention dequantizes one block tile at a time into a small float32 buffer (keys
 // times their per-channel scales, values times their per-token/group scale) and runs the same
 // math as the float path on it: no full-precision copy of a sequence is made in decode.
-enum KVKind : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4, kI8 = 5, kI4 = 6 };
 
 struct QuantPool {
   const uint8_t* data;        // [blocks, 2*kv_heads, block_size, row_bytes]
@@ -2697,9 +2745,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "key_scales, value_scales, v_scale, lut, tail, tail_slots, block_tables, seq_lens, query_len, scale)");
   m.def("rope_and_write_kv", &rope_and_write_kv,
         "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
-  m.def("quantize_int4_blocks", &quantize_int4_blocks,
-        "whole blocks into an int4 pool as Int4KV.quantize_blocks: (src, rows, block_ids, data, key_affine, "
-        "value_affine) -> bool");
+  m.def("quantize_blocks", &quantize_blocks,
+        "whole blocks into an int4 or per-block int8 pool as the torch path: (src, rows, block_ids, kind, data, "
+        "key_scales, value_scales) -> bool");
   m.def("rope_and_write_kv_int8", &rope_and_write_kv_int8,
         "rope_and_write_kv into an int8 pool: keys by static per-channel scales, values per token: (qkv, cos, sin, "
         "kv_cache, slots, heads, key_scales, value_scales, clipped)");
