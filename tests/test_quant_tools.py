@@ -19,6 +19,7 @@ from kvserve.config import ConfigError
 from kvserve.engine.engine import LoadedModel
 from kvserve.quant.calibrate import calibrate, check
 from kvserve.quant.data import python_reference, stdlib_docstrings
+from kvserve.quant.evaluate import evaluate, parse_variants
 
 SHORT = [{"text": "The cat sat on the mat."}, {"messages": [{"role": "user", "content": "Hi there, how are you?"}]},
          {"text": "Water boils at one hundred degrees Celsius at sea level."}]
@@ -90,6 +91,24 @@ def test_drift_watch_counts_clipped_keys_and_warns_once(scales_file: Path, smoll
     ratio = llm.kv_stats().clip_ratio
     assert 0.001 < ratio < 0.5
     assert sum("KV scales drift" in r.message for r in caplog.records) == 1
+
+
+def test_eval_chunk_1_scores_each_token_in_a_decode_step(smollm: LoadedModel,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """--chunk 1 runs every token as a decode step (the decode kernels): over the fp32 pool it
+    scores what one prefill chunk scores, to float32 rounding; over int4 every token reads all the
+    earlier ones quantized, where one prefill chunk reads its own tokens' K/V at full precision,
+    so the two differ. --chunk 0 is refused, naming the value."""
+    assert smollm.tokenizer is not None
+    tokens = list(smollm.tokenizer.encode(" ".join(stdlib_docstrings()[:4])))[:41]
+    decode, prefill = (evaluate(smollm, "smollm2-135m", tokens, parse_variants("auto,int4"), context=41, chunk=chunk,
+                                kv_scales=None, kv_cache_memory="64MiB", block_size=16, progress=False)
+                       for chunk in (1, 41))
+    assert [r.tokens for r in decode + prefill] == [40] * 4
+    assert decode[0].ppl == pytest.approx(prefill[0].ppl, rel=1e-5)
+    assert decode[1].ppl != pytest.approx(prefill[1].ppl, rel=1e-3)
+    assert decode[1].ppl == pytest.approx(decode[0].ppl, rel=0.1)
+    assert main(["eval", "--chunk", "0"]) == 2 and "--chunk must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file: Path,

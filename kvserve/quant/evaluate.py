@@ -274,7 +274,9 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                         help="snapkv: the last prompt tokens whose attention scores the rest")
     parser.add_argument("--num-tokens", type=int, default=20480, help="held-out tokens to score")
     parser.add_argument("--context", type=int, default=2048, help="window length: contexts up to this")
-    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read the cache)")
+    parser.add_argument("--chunk", type=int, default=512,
+                        help="prefill chunk (later chunks read the cache); 1 scores every token through the "
+                             "decode kernels")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="the budget 'max seqs' is computed in")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -285,9 +287,9 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    for name in ("num_tokens", "context", "chunk"):
-        if getattr(args, name) < 2:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
+    for name, least in (("num_tokens", 2), ("context", 2), ("chunk", 1)):
+        if getattr(args, name) < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     variants = parse_variants(args.kv_cache_dtype)
     variants += [row for v in variants
                  for row in eviction_variants(v, args.kv_eviction, args.kv_window, args.kv_compression_ratio)]
