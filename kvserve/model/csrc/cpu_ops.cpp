@@ -550,11 +550,11 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   });
 }
 
-// The int8 write must store exactly what kv_quant.quantize stores (a fused and an unfused step
-// then cache the same bytes): true float32 divisions, not -ffast-math's reciprocals.
 // How a KV pool stores its elements (kv_quant.KIND_CODES).
 enum KVKind : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4, kI8 = 5, kI4 = 6 };
 
+// The int8 write must store exactly what kv_quant.quantize stores (a fused and an unfused step
+// then cache the same bytes): true float32 divisions, not -ffast-math's reciprocals.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 // int8 code of x / scale as kv_quant.quantize makes it: float32 division, round half to even, clipped to +-127.
@@ -589,6 +589,25 @@ static inline int64_t int8_codes(const T* x, const float* scale, bool per_channe
   return clipped;
 }
 
+// One token's value row v [dim] in int8 as kv_quant does for values: its scale max|v| / 127 (at
+// least 1e-8), returned, and the codes at dst.
+template <typename T>
+static inline float int8_token_codes(const T* v, int64_t dim, int8_t* dst) {
+  float top = 0.f;
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    __m512 tops = _mm512_setzero_ps();
+    for (; d + 16 <= dim; d += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(load16(v + d)));
+    top = _mm512_reduce_max_ps(tops);
+  }
+#endif
+  for (; d < dim; ++d) top = std::max(top, std::fabs(static_cast<float>(v[d])));
+  const float scale = std::max(top / 127.f, 1e-8f);
+  int8_codes(v, &scale, false, dim, dst, false);
+  return scale;
+}
+
 // rope_write_kernel for an int8 pool with static key scales: each key element quantized by its
 // channel's scale (elements beyond 127.5 scales counted as clipped), each value head by its own
 // scale max|v| / 127 (at least 1e-8), stored in value_scales [blocks, kv_heads, block_size].
@@ -609,23 +628,10 @@ static int64_t rope_write_int8_kernel(T* qkv, const float* cos, const float* sin
         local += int8_codes(k, key_scales + j * dim, true, dim,
                             kv + ((block * 2 * kv_heads + j) * block_size + offset) * dim, true);
       }
-      for (int64_t j = 0; j < kv_heads; ++j) {
-        const T* v = qkv + t * row + (heads + kv_heads + j) * dim;
-        float top = 0.f;
-        int64_t d = 0;
-#if defined(__AVX512F__)
-        if constexpr (!std::is_same_v<T, double>) {
-          __m512 tops = _mm512_setzero_ps();
-          for (; d + 16 <= dim; d += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(load16(v + d)));
-          top = _mm512_reduce_max_ps(tops);
-        }
-#endif
-        for (; d < dim; ++d) top = std::max(top, std::fabs(static_cast<float>(v[d])));
-        const float scale = std::max(top / 127.f, 1e-8f);
-        value_scales[(block * kv_heads + j) * block_size + offset] = scale;
-        int8_codes(v, &scale, false, dim, kv + ((block * 2 * kv_heads + kv_heads + j) * block_size + offset) * dim,
-                   false);
-      }
+      for (int64_t j = 0; j < kv_heads; ++j)
+        value_scales[(block * kv_heads + j) * block_size + offset] = int8_token_codes(
+            qkv + t * row + (heads + kv_heads + j) * dim, dim,
+            kv + ((block * 2 * kv_heads + kv_heads + j) * block_size + offset) * dim);
     }
     clipped += local;
   });
@@ -712,11 +718,7 @@ static void int8_block_head(const float* keys, const float* values, int64_t bloc
   int8_t* value_rows = data + (block * 2 * kv_heads + kv_heads + h) * bs * dim;
   for (int64_t t = 0; t < bs; ++t) {
     int8_codes(keys + t * dim, scale, true, dim, key_rows + t * dim, false);
-    __m512 top = _mm512_setzero_ps();
-    for (int64_t c = 0; c < dim; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(values + t * dim + c)));
-    const float token_scale = std::max(_mm512_reduce_max_ps(top) / 127.f, 1e-8f);
-    value_scales[(block * kv_heads + h) * bs + t] = token_scale;
-    int8_codes(values + t * dim, &token_scale, false, dim, value_rows + t * dim, false);
+    value_scales[(block * kv_heads + h) * bs + t] = int8_token_codes(values + t * dim, dim, value_rows + t * dim);
   }
 }
 
