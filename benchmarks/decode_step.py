@@ -4,16 +4,19 @@
         --out docs/results/decode_step_32x4096.json [--block-size 64]
 
 One engine per KV dtype (bf16 model, 2 threads, prefix caching off, memory for every sequence):
-``--batch`` sequences of ``--context`` random prompt tokens are prefilled, then the median wall
-time of ``--steps`` decode steps is taken, and, over a few more steps under torch's profiler, the
-time spent in the attention kernels, so the rest of the step (linear layers, norms, sampling)
-shows beside it. The dtypes run in turn, ``--rounds`` times, and each reports its median.
+``--batch`` sequences of ``--context`` random prompt tokens are prefilled in every engine first;
+then, ``--rounds`` times, each engine in turn (the order rotated each round) takes the median wall
+time of ``--steps`` decode steps and, over a few more steps under torch's profiler, the time
+spent in the attention kernels, so the rest of the step (linear layers, norms, sampling) shows
+beside it. All engines stay alive, so a round's dtypes run seconds apart: drift in the machine
+(this VM's memory bandwidth moves by ~20% over minutes) falls on all of them alike. Each dtype
+reports its median over the rounds, and its ratio to the first dtype as the median of the
+rounds' ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kv_quant_throughput import decode_steps
+from kv_quant_throughput import start_decoding, time_decode_steps
 from workloads import cpu_name
 
 from kvserve import LLM
@@ -39,38 +42,44 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
     dtypes = args.kv_cache_dtype.split(",")
     runs: dict[str, list[dict[str, float]]] = {d: [] for d in dtypes}
-    bytes_per_token: dict[str, int] = {}
-    for _ in range(args.rounds):
-        for kv_dtype in dtypes:
-            kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
-            memory = 5 * 23040 * args.batch * (args.context + args.steps + 64) // 4  # 16-bit KV for all, + 25%
-            llm = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory, enable_prefix_caching=False,
-                      max_num_seqs=args.batch, max_num_batched_tokens=2048, block_size=args.block_size, **kwargs)
-            bytes_per_token[kv_dtype] = llm.engine.kv_bytes_per_token
-            runs[kv_dtype].append(decode_steps(llm, args.batch, args.context, args.steps, profiled=3))
-            print(kv_dtype, runs[kv_dtype][-1], flush=True)
-            del llm
-            gc.collect()
+    profiled = 3
+    engines: dict[str, LLM] = {}
+    for kv_dtype in dtypes:  # every engine prefilled before any step is timed
+        kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
+        decode = args.rounds * (args.steps + profiled)
+        memory = 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
+        engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory,
+                                enable_prefix_caching=False, max_num_seqs=args.batch, max_num_batched_tokens=2048,
+                                block_size=args.block_size, **kwargs)
+        start_decoding(engines[kv_dtype], args.batch, args.context, decode)
+        print(f"{kv_dtype}: {args.batch} x {args.context} prefilled", flush=True)
+    for round_index in range(args.rounds):
+        for kv_dtype in dtypes[round_index % len(dtypes):] + dtypes[: round_index % len(dtypes)]:
+            runs[kv_dtype].append(time_decode_steps(engines[kv_dtype], args.steps, profiled))
+            print(round_index, kv_dtype, runs[kv_dtype][-1], flush=True)
     rows = []
     for kv_dtype in dtypes:
         step = statistics.median(r["step_ms"] for r in runs[kv_dtype])
         attention = statistics.median(r["attention_ms"] for r in runs[kv_dtype])
-        rows.append({"kv_cache_dtype": kv_dtype, "kv_bytes_per_token": bytes_per_token[kv_dtype], "step_ms": step,
-                     "attention_ms": attention, "rounds": runs[kv_dtype]})
+        pairs = zip(runs[kv_dtype], runs[dtypes[0]], strict=True)
+        ratio = statistics.median(r["step_ms"] / b["step_ms"] for r, b in pairs)
+        rows.append({"kv_cache_dtype": kv_dtype, "kv_bytes_per_token": engines[kv_dtype].engine.kv_bytes_per_token,
+                     "step_ms": step, "attention_ms": attention, "ratio": ratio, "rounds": runs[kv_dtype]})
     base = rows[0]
-    print(f"\n| KV dtype | B/token | step (ms) | vs {base['kv_cache_dtype']} | attention (ms) | rest (ms) |")
+    print(f"\n| KV dtype | B/token | step (ms) | vs {base['kv_cache_dtype']} (rounds) | attention (ms) | rest (ms) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        pairs = zip(r["rounds"], base["rounds"], strict=True)
+        each = " / ".join(f"{x['step_ms'] / b['step_ms']:.2f}" for x, b in pairs)
         print(f"| {r['kv_cache_dtype']} | {r['kv_bytes_per_token']} | {r['step_ms']:.1f} | "
-              f"{r['step_ms'] / base['step_ms']:.2f}x | {r['attention_ms']:.1f} | "
-              f"{r['step_ms'] - r['attention_ms']:.1f} |")
+              f"{r['ratio']:.2f}x ({each}) | {r['attention_ms']:.1f} | {r['step_ms'] - r['attention_ms']:.1f} |")
     if args.out:
         args.out.write_text(json.dumps({"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()},
                                         "results": rows}, indent=1))

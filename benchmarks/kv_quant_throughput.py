@@ -48,19 +48,27 @@ def run_load(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, A
 ATTENTION_EVENTS = ("kvserve::paged_decode_attention", "kvserve::paged_attention_quantized")
 
 
-def decode_steps(llm: LLM, batch: int, context: int, steps: int, profiled: int = 0) -> dict[str, float]:
-    """Prefill ``batch`` sequences of ``context`` tokens, then time decode steps with all of them
-    running: the median step (ms) and, over ``profiled`` further steps under torch's profiler, the
-    attention kernels' mean time per step (ms). Every request may generate more tokens than the
-    steps prefill and measurement take (sequences prefilled first decode while the rest prefill),
-    so none finishes before it is measured; they are aborted afterwards."""
+def start_decoding(llm: LLM, batch: int, context: int, steps: int) -> list[str]:
+    """Add ``batch`` requests of ``context`` random prompt tokens and step the engine until all
+    are prefilled, so that every later step decodes all of them; each may generate ``steps``
+    more tokens than its prefill takes (sequences prefilled first decode while the rest
+    prefill), so none finishes before it is measured. Returns the request ids (to abort)."""
     engine = llm.engine
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + profiled + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 8, ignore_eos=True)
     ids = [engine.add_request(prompt, params).request_id for prompt in workload(7, batch, context)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     assert len(engine.requests) == batch, "a request finished before the decode steps were measured"
+    return ids
+
+
+def time_decode_steps(llm: LLM, steps: int, profiled: int = 0) -> dict[str, float]:
+    """The median wall time (ms) of ``steps`` decode steps and, over ``profiled`` further steps
+    under torch's profiler, the attention kernels' mean time per step (ms). Every running
+    request must have room for them (start_decoding)."""
+    engine = llm.engine
+    running = len(engine.requests)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -72,10 +80,18 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, profiled: int =
             for _ in range(profiled):
                 engine.step()
         attention_us = sum(e.cpu_time_total for e in prof.key_averages() if e.key in ATTENTION_EVENTS) / profiled
-    assert len(engine.requests) == batch, "a request finished during the measured decode steps"
-    for request_id in ids:
-        engine.abort_request(request_id)
+    assert len(engine.requests) == running, "a request finished during the measured decode steps"
     return {"step_ms": 1000 * statistics.median(times), "attention_ms": attention_us / 1000}
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, profiled: int = 0) -> dict[str, float]:
+    """Prefill ``batch`` sequences of ``context`` tokens, then time decode steps with all of them
+    running (time_decode_steps); the requests are aborted afterwards."""
+    ids = start_decoding(llm, batch, context, steps + profiled)
+    result = time_decode_steps(llm, steps, profiled)
+    for request_id in ids:
+        llm.engine.abort_request(request_id)
+    return result
 
 
 def decode_step_ms(llm: LLM, batch: int, context: int, steps: int) -> float:

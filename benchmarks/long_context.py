@@ -70,7 +70,7 @@ def run_kvserve(kv_dtype: str, kv_scales: str | None = None, profiled: int = 0, 
         seconds = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outs) == sum(output_lens)
     if prof is not None:
-        print(f"{kv_dtype}, first {profiled} requests: {seconds:.1f} s; {top_ops(prof, 5)}", flush=True)
+        print(f"{kv_dtype}, first {profiled} requests: {seconds:.1f} s; {top_ops(prof, 7)}", flush=True)
     tpots = [(o.metrics["e2e"] - o.metrics["ttft"]) / (len(o.token_ids) - 1) for o in outs]
     stats = llm.kv_stats()
     row = summary("kvserve", kv_dtype, seconds, sum(output_lens), tpots, stats.num_preemptions, stats.peak_usage)
