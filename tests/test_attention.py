@@ -424,6 +424,8 @@ def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused[:, :heads].float(), qk[:, :heads].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="one per token"):  # a short slot mapping is refused, not read past
+        cpu_op("rope_and_write_kv")(qkv.clone(), cos, signed_sin, pool, slots[:-1], heads)
 
 
 @needs_kernel
@@ -467,6 +469,57 @@ def test_fused_rope_and_int8_write_quantizes_as_torch_does(dtype: torch.dtype, d
         before, untouched = other.data.clone(), qkv.clone()
         assert not rope_and_write_kv(untouched, cos, signed_sin, other, meta, heads)
         assert torch.equal(other.data, before) and torch.equal(untouched, qkv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_tail_write_in_a_prefill_chunk_stores_what_torch_does(kind: str,
+                                                                             dtype: torch.dtype) -> None:
+    """A prefill chunk into a pool with tail slots (int4; int8 with per-block key scales): the
+    fused op rotates the tokens into a row each, then the tail moves and the blocks that fill go
+    through the C++ quantizer. Pool codes, scales and tail rows equal the torch path's
+    (TailKV.write of the same rotated K/V), bit for bit. The chunk continues a sequence whose 2
+    cached tokens wait in its tail slot: 2 tokens complete that block (staged from the tail), 4
+    fill the next one, the last starts a new partial block."""
+    from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache, TailPlan
+
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, dim, block_size, blocks = 7, 9, 3, 64, 4, 24
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim) * 2).to(dtype)
+    angles = torch.rand(tokens, dim // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    slots = torch.arange(2, 2 + tokens)  # positions 2..8 of the sequence (its slot mapping is unused here)
+    ids = lambda *values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    plan = TailPlan(pre_tokens=ids(0, 1), pre_rows=ids(2, 3), block_ids=ids(12, 13), stage_tokens=ids(2, 3, 4, 5),
+                    stage_token_rows=ids(4, 5, 6, 7), stage_tail_rows=ids(0, 1, 2, 3),
+                    stage_from_tail=ids(0, 1, 2, 3), post_tokens=ids(6), post_rows=ids(0), token_rows=ids(),
+                    fill_rows=ids())
+    meta = AttentionMetadata(slots, KVWriteIndex(kv_write_rows(slots, block_size, 2 * kv_heads), None, plan), [])
+    cached = torch.randn(2, 2 * kv_heads, dim).to(dtype)  # the sequence's first 2 tokens, in its tail slot
+    layers = [PagedKVCache(1, blocks, block_size, kv_heads, dim, dtype, torch.device("cpu"),
+                           KVQuantSpec(kind)).layers[0] for _ in range(2)]
+    for layer in layers:
+        assert layer.tail is not None
+        layer.data.zero_()
+        layer.tail[0, :2] = cached
+    fused, ref = layers
+    rotated = qkv.clone()
+    assert rope_and_write_kv(rotated, cos, signed_sin, fused, meta, heads)
+    ref.write(rotated[:, heads : heads + kv_heads], rotated[:, heads + kv_heads :], meta.write)
+    assert fused.tail is not None and ref.tail is not None
+    assert fused.key_scales is not None and ref.key_scales is not None
+    assert fused.value_scales is not None and ref.value_scales is not None
+    assert torch.equal(fused.data[12:14], ref.data[12:14]) and fused.data[12:14].any()
+    assert torch.equal(fused.key_scales[12:14], ref.key_scales[12:14])
+    assert torch.equal(fused.value_scales[12:14], ref.value_scales[12:14])
+    assert torch.equal(fused.tail[0], ref.tail[0])  # its first row: the new partial block's token
+    torch.testing.assert_close(fused.tail[0, 0, :kv_heads].float(), rotated[6, heads : heads + kv_heads].float(),
+                               atol=0, rtol=0)
+    qk = apply_rope(qkv[:, : heads + kv_heads], cos.to(dtype)[:, None], signed_sin.to(dtype)[:, None])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(rotated[:, : heads + kv_heads].float(), qk.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("window", [0, 100])

@@ -412,27 +412,25 @@ class TailKV(LayerKV):
     keeps_tail_block = True
 
     def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
-        plan = index.tail
-        assert plan is not None and self.tail is not None
-        new = torch.cat((key, value), dim=1).to(self.tail.dtype)  # [T, 2*kv_heads, dim]
+        assert index.tail is not None and self.tail is not None
+        self.write_rows(torch.cat((key, value), dim=1).to(self.tail.dtype), index.tail)
+
+    def write_rows(self, new: torch.Tensor, plan: TailPlan,
+                   quantize: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """This step's K/V rows ``new`` [T, 2*kv_heads, dim] (the tail's dtype) into the tail
+        slots, and the blocks they fill quantized: ``quantize(stage, block_ids)`` gets those
+        blocks' rows staged in token order (default: quantize_staged)."""
+        assert self.tail is not None
         tail = self.tail.view(-1, *new.shape[1:])
         tail.index_copy_(0, plan.pre_rows, new.index_select(0, plan.pre_tokens))
         if plan.block_ids.numel():
             stage = new.new_empty((plan.block_ids.numel() * self.data.shape[2], *new.shape[1:]))
             stage.index_copy_(0, plan.stage_token_rows, new.index_select(0, plan.stage_tokens))
             stage.index_copy_(0, plan.stage_from_tail, tail.index_select(0, plan.stage_tail_rows))
-            self._quantize_staged(stage, plan.block_ids)
+            (quantize or self.quantize_staged)(stage, plan.block_ids)
         tail.index_copy_(0, plan.post_rows, new.index_select(0, plan.post_tokens))
 
-    def quantize_filled_from_tail(self, plan: TailPlan) -> None:
-        """After every token of the step went to its tail row (``plan.token_rows``, the fused
-        rotary + write op): quantize the blocks that filled, straight from their tail slots."""
-        if plan.block_ids.numel():
-            assert self.tail is not None
-            tail = self.tail.view(-1, *self.tail.shape[2:])
-            self._quantize_staged(tail.index_select(0, plan.fill_rows), plan.block_ids)
-
-    def _quantize_staged(self, stage: torch.Tensor, block_ids: torch.Tensor) -> None:
+    def quantize_staged(self, stage: torch.Tensor, block_ids: torch.Tensor) -> None:
         """stage [num * block_size, 2*kv_heads, dim]: whole blocks in token order, into ``block_ids``."""
         stage = stage.view(block_ids.numel(), self.data.shape[2], *stage.shape[1:])
         kv_heads = stage.shape[2] // 2

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kvserve.cache.kv_cache import Int4KV, Int8BlockKV, Int8StaticKV, KVWriteIndex, LayerKV, TailKV, TailPlan
+from kvserve.cache.kv_cache import Int4KV, Int8BlockKV, Int8StaticKV, KVWriteIndex, LayerKV, TailKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
 
@@ -94,18 +94,17 @@ def _write_op(name: str, *args: object) -> object:
         return kernel(*args)
 
 
-def _quantize_filled(layer: TailKV, plan: TailPlan) -> None:
-    """Quantizes the blocks that filled in this step from their tail slots: int4, and int8 with
-    per-block key scales, in one C++ op (bit for bit the torch path, whose ~30 small ops per layer
-    took ~10% of an int4 decode step at 32 x 2,048), else (or where the op declines) in torch."""
-    if not plan.block_ids.numel():
-        return
+def _quantize_rows(layer: TailKV, src: torch.Tensor, rows: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Whole blocks into ``block_ids`` from rows of ``src`` [*, 2*kv_heads, dim] (block i's tokens
+    at ``rows[i * block_size : (i + 1) * block_size]``): int4, and int8 with per-block key scales,
+    in one C++ op (bit for bit the torch path, whose ~30 small ops per layer took ~10% of an int4
+    decode step at 32 x 2,048), else (or where the op declines) in torch."""
     if isinstance(layer, Int4KV | Int8BlockKV) and layer.value_scale_override is None:
-        assert layer.tail is not None and layer.key_scales is not None and layer.value_scales is not None
-        if _write_op("quantize_blocks", layer.tail.view(-1, *layer.tail.shape[2:]), plan.fill_rows, plan.block_ids,
-                     KIND_CODES[layer.kind], layer.data, layer.key_scales, layer.value_scales):
+        assert layer.key_scales is not None and layer.value_scales is not None
+        if _write_op("quantize_blocks", src, rows, block_ids, KIND_CODES[layer.kind], layer.data, layer.key_scales,
+                     layer.value_scales):
             return
-    layer.quantize_filled_from_tail(plan)
+    layer.quantize_staged(src.index_select(0, rows), block_ids)
 
 
 def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, layer: LayerKV,
@@ -114,20 +113,30 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
     cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot: as they
     are into a pool of the model's dtype, quantized into an int8 pool with static key scales
     (as kv_quant.quantize would: codes, value scales and clip count), or, for pools that keep a
-    full-precision tail block (int4, per-block int8) in a step where each sequence's tokens lie
-    in one block (decode), into the tail slots, quantizing the blocks that fill as the torch path
-    does. False, touching nothing, for anything else (the caller then ropes and writes in torch)."""
+    full-precision tail block (int4, per-block int8), into the tail slots (decode: each token
+    straight to its tail row; prefill: through a row per token and TailKV.write_rows), quantizing
+    the blocks that fill as the torch path does. False, touching nothing, for anything else (the
+    caller then ropes and writes in torch)."""
     if layer.holds_as_is(qkv.dtype):
         _write_op("rope_and_write_kv", qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads)
         return True
     plan = meta.write.tail
-    if isinstance(layer, TailKV) and layer.tail is not None and plan is not None \
-            and plan.token_rows.numel() == qkv.shape[0] and layer.tail.dtype == qkv.dtype:
-        # every token into its tail row (the tail seen as a pool of one-token blocks), then the
-        # blocks that filled are quantized from their tail slots
-        tail = layer.tail.view(-1, layer.tail.shape[2], 1, layer.tail.shape[3])
-        _write_op("rope_and_write_kv", qkv, cos, signed_sin, tail, plan.token_rows, num_heads)
-        _quantize_filled(layer, plan)
+    if isinstance(layer, TailKV) and layer.tail is not None and plan is not None and layer.tail.dtype == qkv.dtype:
+        tail_rows = layer.tail.view(-1, *layer.tail.shape[2:])
+        if plan.token_rows.numel() == qkv.shape[0]:
+            # decode: every token into its tail row (the tail seen as a pool of one-token blocks),
+            # then the blocks that filled are quantized from their tail slots
+            tail = layer.tail.view(-1, layer.tail.shape[2], 1, layer.tail.shape[3])
+            _write_op("rope_and_write_kv", qkv, cos, signed_sin, tail, plan.token_rows, num_heads)
+            if plan.block_ids.numel():
+                _quantize_rows(layer, tail_rows, plan.fill_rows, plan.block_ids)
+        else:  # prefill: rotary into a row per token, then the tail moves and the blocks that fill
+            num_tokens, rows_per_token = qkv.shape[0], tail_rows.shape[1]
+            new = qkv.new_empty(num_tokens, rows_per_token, 1, qkv.shape[2])
+            _write_op("rope_and_write_kv", qkv, cos, signed_sin, new,
+                      torch.arange(num_tokens, device=qkv.device), num_heads)
+            layer.write_rows(new.view(num_tokens, rows_per_token, -1), plan, lambda stage, block_ids: _quantize_rows(
+                layer, stage, torch.arange(stage.shape[0], device=stage.device), block_ids))
         return True
     if not isinstance(layer, Int8StaticKV) or layer.value_scale_override is not None:
         return False
@@ -208,7 +217,9 @@ def _quantized_kernel(out: torch.Tensor, query: torch.Tensor, layer: LayerKV, gr
     kernel = cpu_op("paged_attention_quantized")
     assert kernel is not None, "groups without a mask need the C++ kernels"
     lut = fp8_table(layer.kind) if layer.kind in FP8_TYPES else None
-    with record_function("kvserve::paged_attention_quantized"):
+    # decode and prefill groups share the op; profiles name them apart
+    name = "paged_attention_quantized" if group.query_len == 1 else "paged_prefill_attention_quantized"
+    with record_function("kvserve::" + name):
         done = kernel(out, query, layer.data, KIND_CODES[layer.kind], layer.key_scales, layer.value_scales,
                       layer.v_scale, lut, layer.tail, group.tail_slots if layer.tail is not None else None,
                       group.block_tables, group.seq_lens, group.query_len, scale)

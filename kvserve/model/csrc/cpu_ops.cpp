@@ -532,7 +532,9 @@ static void check_rope_call(const torch::Tensor& qkv, const torch::Tensor& cos, 
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "float32 cos/sin");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "contiguous cos/sin");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 4, "contiguous pool [blocks, 2*kv_heads, block, row]");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong, "int64 slots");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == qkv.size(0),
+              "int64 slots, one per token");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && sin.size(0) == qkv.size(0), "a cos/sin row per token");
 }
 
 void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache,
