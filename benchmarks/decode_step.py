@@ -51,10 +51,10 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {d: [] for d in dtypes}
     profiled = 3
     engines: dict[str, LLM] = {}
+    decode = args.rounds * (args.steps + profiled)
+    memory = 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
     for kv_dtype in dtypes:  # every engine prefilled before any step is timed
         kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
-        decode = args.rounds * (args.steps + profiled)
-        memory = 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
         engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory,
                                 enable_prefix_caching=False, max_num_seqs=args.batch, max_num_batched_tokens=2048,
                                 block_size=args.block_size, **kwargs)
@@ -68,16 +68,15 @@ def main() -> None:
     for kv_dtype in dtypes:
         step = statistics.median(r["step_ms"] for r in runs[kv_dtype])
         attention = statistics.median(r["attention_ms"] for r in runs[kv_dtype])
-        pairs = zip(runs[kv_dtype], runs[dtypes[0]], strict=True)
-        ratio = statistics.median(r["step_ms"] / b["step_ms"] for r, b in pairs)
+        ratios = [r["step_ms"] / b["step_ms"] for r, b in zip(runs[kv_dtype], runs[dtypes[0]], strict=True)]
         rows.append({"kv_cache_dtype": kv_dtype, "kv_bytes_per_token": engines[kv_dtype].engine.kv_bytes_per_token,
-                     "step_ms": step, "attention_ms": attention, "ratio": ratio, "rounds": runs[kv_dtype]})
+                     "step_ms": step, "attention_ms": attention, "ratio": statistics.median(ratios),
+                     "round_ratios": ratios, "rounds": runs[kv_dtype]})
     base = rows[0]
     print(f"\n| KV dtype | B/token | step (ms) | vs {base['kv_cache_dtype']} (rounds) | attention (ms) | rest (ms) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        pairs = zip(r["rounds"], base["rounds"], strict=True)
-        each = " / ".join(f"{x['step_ms'] / b['step_ms']:.2f}" for x, b in pairs)
+        each = " / ".join(f"{x:.2f}" for x in r["round_ratios"])
         print(f"| {r['kv_cache_dtype']} | {r['kv_bytes_per_token']} | {r['step_ms']:.1f} | "
               f"{r['ratio']:.2f}x ({each}) | {r['attention_ms']:.1f} | {r['step_ms'] - r['attention_ms']:.1f} |")
     if args.out:
