@@ -20,7 +20,7 @@ import torch
 
 from kvserve.cache.kv_format import INT4_VALUE_GROUP
 
-# The element encodings the C++ kernels understand (kind codes are shared with cpu_ops.cpp).
+# The element encodings the C++ kernels understand (kind codes are shared with csrc/common.h).
 KIND_CODES = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "fp8_e5m2": 4, "int8": 5, "int4": 6}
 FLOAT_KINDS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_TYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

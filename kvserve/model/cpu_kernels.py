@@ -1,5 +1,5 @@
-"""The C++ CPU ops of csrc/cpu_ops.cpp (paged decode attention, rotary + cache write, residual
-add + RMSNorm, SwiGLU's silu-and-mul), compiled on first use.
+"""The C++ CPU ops of csrc/ (paged attention over float and quantized pools, rotary + cache
+write, residual add + RMSNorm, SwiGLU's silu-and-mul, int8 linear layers), compiled on first use.
 
 Compiled with torch's cpp_extension (needs a C++ compiler and ninja; cached under
 ~/.cache/torch_extensions). If the build fails, or KVSERVE_NO_CPU_KERNEL=1 is set, callers fall
@@ -69,17 +69,20 @@ def cpu_kernels() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        source = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+        folder = Path(__file__).with_name("csrc")
+        sources = sorted(folder.glob("*.cpp"))
         logger.info("loading the C++ CPU ops (compiled once, then cached)")
-        # the source's path and content in the name: a changed source or another checkout builds
-        # beside, never over, a library another running process has loaded (and two checkouts do
-        # not rebuild each other's)
-        source_hash = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:8]
-        name = f"kvserve_cpu_ops_{_cpu_fingerprint()}_{source_hash}"
+        # the sources' path and content (headers included) in the name: a changed source or another
+        # checkout builds beside, never over, a library another running process has loaded (and two
+        # checkouts do not rebuild each other's)
+        digest = hashlib.sha256(str(folder.resolve()).encode())
+        for file in sorted(folder.glob("*.[ch]*")):
+            digest.update(file.name.encode() + file.read_bytes())
+        name = f"kvserve_cpu_ops_{_cpu_fingerprint()}_{digest.hexdigest()[:8]}"
         _remove_stale_build_lock(name)
         module = load(
             name=name,
-            sources=[str(source)],
+            sources=[str(source) for source in sources],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

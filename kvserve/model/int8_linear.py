@@ -6,7 +6,7 @@ x[t, k] ~ x_codes[t, k] * x_scale[t] (the same, per token, at every call), so
 x @ weight.T ~ (x_codes @ codes.T) * x_scale[t] * weight_scale[n]: one int8 GEMM with int32 sums
 (VNNI dot products: four multiply-adds per 32-bit lane where AVX512-BF16 does two), then one
 rescale. On CPUs with AVX512-VNNI the whole layer is one C++ call (``int8_linear`` in
-csrc/cpu_ops.cpp, on a weight packed once for it); on other CPUs oneDNN's quantized linear does
+csrc/layers.cpp, on a weight packed once for it); on other CPUs oneDNN's quantized linear does
 the GEMM on its own packed weight; elsewhere torch's int8 matmul. Per-token
 activation scales follow each token's own range (a per-tensor scale is set by the largest token
 of the batch, e.g. the first token's outliers).

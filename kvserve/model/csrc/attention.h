@@ -1,0 +1,535 @@
+// The attention machinery both attention files run: the decode driver (a job per sequence and
+// KV head, in parallel) and the prefill kernels (flash-style tiles of query rows over a
+// sequence's keys and values, laid out once per call by a fill function; AVX512-BF16 and AMX
+// paths for bf16 pairs).
+#pragma once
+
+#include "common.h"
+
+// Runs job(b, h, qf, len, probs, acc, lse) for every (sequence, KV head) in parallel: qf holds
+// the group's scaled queries in float32, the job leaves the group's outputs in acc and, where
+// lse_out ([batch, heads]) is given, their log-sum-exps at lse.
+template <typename T, typename O, typename Job>
+static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride,
+                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Job& job,
+                          float* lse_out = nullptr) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), probs;
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t b = j / kv_heads, h = j % kv_heads;
+      const int64_t len = lens[b];
+      if (static_cast<int64_t>(probs.size()) < group * len) probs.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qrow = q + b * q_stride + (h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
+      }
+      job(b, h, qf.data(), len, probs.data(), acc.data(), lse_out != nullptr ? lse_out + b * heads + h * group : nullptr);
+      for (int64_t g = 0; g < group; ++g) from_float(acc.data() + g * dim, out + b * out_stride + (h * group + g) * dim, dim);
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// Prefill attention for RB query rows of one (sequence, KV head): scores against 16 keys at a
+// time from the transposed float32 keys (a broadcast query value times a row of 16 keys, so no
+// horizontal sums), a float32 softmax per row over its causal length, then probabilities times
+// values with the RB rows' accumulators in registers.
+template <int NV, int RB>
+static void prefill_rows(const float* qf, const int64_t* row_len, const float* keys_t, int64_t stride,
+                         const float* values, float* scores, float* acc, float* lse) {
+  constexpr int64_t dim = NV * 16;
+  int64_t max_len = 0;
+  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  for (int64_t tile = 0; tile * 16 < max_len; ++tile) {
+    __m512 s[RB];
+    for (int r = 0; r < RB; ++r) s[r] = _mm512_setzero_ps();
+    const float* col = keys_t + tile * 16;
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 k = _mm512_loadu_ps(col + d * stride);
+      for (int r = 0; r < RB; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * dim + d]), k, s[r]);
+    }
+    for (int r = 0; r < RB; ++r) _mm512_storeu_ps(scores + r * stride + tile * 16, s[r]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* row = scores + r * stride;
+    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r], lse != nullptr ? lse + r : nullptr);
+    std::fill(row + row_len[r], row + max_len, 0.f);  // keys past a row's position get no weight
+  }
+  __m512 a[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < max_len; ++j) {
+    __m512 v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(values + j * dim + 16 * i);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r * stride + j]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(p, v[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
+}
+
+#if defined(__AVX512BF16__)
+constexpr float kSoftmaxSlack = 12.f;  // log2 units: a flash kernel's unnormalized weights stay below 2^12
+constexpr float kLog2e = 1.44269504f;  // scaled scores to the flash kernels' log2 units
+
+// A flash kernel row's log-sum-exp (natural log, of the scaled scores) from its maximum in use
+// (log2 units) and its sum of weights 2^(score - maximum).
+static inline float log_sum_exp_of(float top_log2, float total) { return top_log2 * 0.69314718f + std::log(total); }
+
+// 2^y for 16 lanes of finite y (any size: scalef flushes to 0 or infinity): 2^floor(y) (scalef)
+// times 1 + f (c1 + f (c2 + f (c3 + f c4))) for the fraction f = y - floor(y) (vreduceps),
+// weighted least squares on [0, 1): relative error < 3e-6, far below the 2^-9 of the bf16
+// weights made from it; exactly 1 at y = 0.
+static inline __m512 exp2_16(__m512 y) {
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(0.01342655f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0522409f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24128269f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693044f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, y);
+}
+
+constexpr int64_t kFlashChunk = 256;  // keys per online-softmax step: a tile's scores stay in L1
+
+// prefill_rows for bf16 pools in AVX512-BF16 dot products, as a flash kernel: keys go by
+// kFlashChunk at a time with a running maximum per row (log2 units), the outputs rescaled only
+// when a chunk's maximum passes the one in use by more than kSoftmaxSlack. Keys are bf16 pairs
+// per 32-key tile, [stride/32][dim/2][32] (pair i of key j: its elements 2i, 2i+1; each tile one
+// contiguous read), values key pairs, [stride/2][dim] (pair jp at dim d: keys 2jp and 2jp+1
+// there), the query unscaled bf16 pairs (exact; the scale goes on the scores): one vdpbf16ps is
+// 16 keys x 2 dims of the scores, or 16 dims x 2 keys of the output, where the float32 path's
+// FMA does 16 x 1. Weights are rounded to bf16 for the values (as SDPA's flash path does for
+// bf16): 2^-9 relative per weight. acc is the RB rows' accumulator, normalized at the end.
+template <int NV, int RB>
+static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p,
+                              const uint32_t* values_p, float scale, float* acc, float* lse) {
+  constexpr int64_t dim = NV * 16, pairs = dim / 2;
+  alignas(64) float scores[RB][kFlashChunk];
+  alignas(64) uint32_t weights[RB][kFlashChunk / 2];  // bf16 key pairs
+  float top_in_use[RB], total[RB];
+  int64_t max_len = 0;
+  for (int r = 0; r < RB; ++r) {
+    max_len = std::max(max_len, row_len[r]);
+    top_in_use[r] = -1e30f;  // finite: a first chunk's rescale factor is 2^-200 = 0, not NaN
+    total[r] = 0.f;
+  }
+  std::fill(acc, acc + RB * dim, 0.f);
+  const int64_t padded = (max_len + 31) / 32 * 32;  // <= stride: the kernel pads sequences to 32
+  const float scale2 = scale * kLog2e;
+  for (int64_t c0 = 0; c0 < padded; c0 += kFlashChunk) {
+    const int64_t n = std::min(kFlashChunk, padded - c0);
+    for (int64_t j = 0; j < n; j += 32) {  // 32 keys a pass: each broadcast query pair serves two
+      __m512 s[RB][2];
+      for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+      const uint32_t* tile = keys_p + (c0 + j) * pairs;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + 32 * i);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + 32 * i + 16);
+        for (int r = 0; r < RB; ++r) {
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
+          s[r][0] = _mm512_dpbf16_ps(s[r][0], qv, k0);
+          s[r][1] = _mm512_dpbf16_ps(s[r][1], qv, k1);
+        }
+      }
+      for (int r = 0; r < RB; ++r) {
+        _mm512_store_ps(&scores[r][j], s[r][0]);
+        _mm512_store_ps(&scores[r][j + 16], s[r][1]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const int64_t len = row_len[r] - c0;  // the row sees this chunk's keys [0, len)
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < std::min(n, len); t += 16)
+        vmax = _mm512_mask_max_ps(vmax, tail_mask(len - t), vmax, _mm512_load_ps(&scores[r][t]));
+      const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale2 : -std::numeric_limits<float>::infinity();
+      if (top > top_in_use[r] + kSoftmaxSlack) {
+        const float factor = std::exp2(std::max(top_in_use[r] - top, -200.f));
+        total[r] *= factor;
+        for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= factor;
+        top_in_use[r] = top;
+      }
+      const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(-top_in_use[r]);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; t += 32) {
+        const __m512 e0 = _mm512_maskz_mov_ps(tail_mask(len - t),
+                                              exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t]), vscale, shift)));
+        const __m512 e1 = _mm512_maskz_mov_ps(tail_mask(len - t - 16),
+                                              exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t + 16]), vscale, shift)));
+        vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+        _mm512_store_si512(&weights[r][t / 2], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      total[r] += _mm512_reduce_add_ps(vsum);
+    }
+    __m512 a[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc + r * dim + 16 * i);
+    const uint32_t* vp = values_p + c0 / 2 * dim;
+    for (int64_t jp = 0; jp < n / 2; ++jp) {
+      __m512bh v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vp + jp * dim + 16 * i);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][jp]));
+        for (int i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], p, v[i]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    const float inv = row_len[r] > 0 ? 1.f / total[r] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= inv;
+    if (lse != nullptr && row_len[r] > 0) lse[r] = log_sum_exp_of(top_in_use[r], total[r]);
+  }
+}
+
+// One bf16 pool row pair interleaved for prefill_rows_bf16's values: out[d] = (r0[d], r1[d]).
+static inline void interleave_bf16_rows(const void* r0, const void* r1, uint32_t* out, int64_t dim) {
+  const auto* a16 = static_cast<const c10::BFloat16*>(r0);
+  const auto* b16 = static_cast<const c10::BFloat16*>(r1);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512i a = _mm512_loadu_si512(a16 + d);
+    const __m512i b = b16 != nullptr ? _mm512_loadu_si512(b16 + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+// One (sequence, KV head)'s len keys and values in prefill_rows_bf16's layout (keys
+// [stride/32][dim/2][32] pairs, values [stride/2][dim] key pairs), or with amx_layout in
+// prefill_rows_amx's (keys as rows [stride][dim], values transposed per 32 keys,
+// [stride/32][dim][32]), from bf16 rows key(pos) and value(pos).
+template <typename KeyRow, typename ValueRow>
+static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t len, int64_t dim,
+                            uint32_t* kp, uint32_t* vp, bool amx_layout) {
+  if (amx_layout) {
+    auto* values_t = reinterpret_cast<uint16_t*>(vp);
+    for (int64_t pos = 0; pos < len; ++pos) {
+      std::memcpy(kp + pos * dim / 2, key(pos), dim * 2);
+      const auto* row = reinterpret_cast<const uint16_t*>(value(pos));
+      uint16_t* block = values_t + pos / 32 * 32 * dim + pos % 32;
+      for (int64_t d = 0; d < dim; ++d) block[d * 32] = row[d];
+    }
+    return;
+  }
+  for (int64_t pos = 0; pos < len; ++pos) {  // a 32-bit transpose per 32-key tile: pair i of key pos
+    const uint32_t* krow = reinterpret_cast<const uint32_t*>(key(pos));
+    uint32_t* tile = kp + (pos & ~int64_t{31}) * dim / 2 + (pos & 31);
+    for (int64_t i = 0; i < dim / 2; ++i) tile[i * 32] = krow[i];
+  }
+  for (int64_t pos = 0; pos < len; pos += 2)
+    interleave_bf16_rows(value(pos), pos + 1 < len ? value(pos + 1) : nullptr, vp + pos / 2 * dim, dim);
+}
+#endif
+
+// AMX: tdpbf16ps on 16 x 64-byte tiles, written with the tile intrinsics (the kernel before this
+// one called oneDNN's brgemm per 512 keys and measured 2x slower: scores and weights for a whole
+// row went through L2, and values were read at a stride of the sequence length). Scores come out
+// transposed, [keys][32 queries] = keys x queries^T: the keys are the A operand as rows ([len][dim]
+// bf16, copied from the pool), the 32 query rows' bf16 pairs the B operand, so a query's softmax
+// runs down a column with no horizontal sums. Outputs come out transposed too, [dim][32 queries]
+// += values^T x weights^T: values^T (per 32 keys a [dim][32] bf16 block, from the fill) as A, the
+// bf16 weights of key pairs as B. Keys go by in chunks of kAmxChunk with a running maximum per
+// query (flash attention's online softmax); the outputs are rescaled only when a chunk's maximum
+// passes the one in use by more than kSoftmaxSlack, which after the first chunk is rare.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSERVE_AMX 1
+#include <sys/syscall.h>
+
+constexpr int64_t kAmxChunk = 256;
+
+// Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM for XTILEDATA).
+static inline bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Tiles 0-7 all 16 rows x 64 bytes: 16 x 16 float32, or 16 rows of 16 bf16 pairs.
+static inline void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The tile loads are asm without a memory clobber: make the compiler finish plain stores first.
+static inline void memory_fence_for_tiles() { asm volatile("" ::: "memory"); }
+
+// C tiles 0-3 += two A tiles (loaded into 4, 5) times two B tiles (6, 7): tile 2i + j += A_i B_j.
+static inline void tile_product_2x2(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
+                                    int64_t b_stride) {
+  _tile_loadd(4, a0, a_stride);
+  _tile_loadd(5, a1, a_stride);
+  _tile_loadd(6, b0, b_stride);
+  _tile_loadd(7, b1, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// C tiles 0-3 to or from 32 rows of a [rows][32] float32 buffer: tile 2i + j at rows 16i, columns 16j.
+static inline void store_tiles_2x2(float* rows) {
+  _tile_stored(0, rows, 128);
+  _tile_stored(1, rows + 16, 128);
+  _tile_stored(2, rows + 16 * 32, 128);
+  _tile_stored(3, rows + 16 * 32 + 16, 128);
+}
+
+static inline void load_tiles_2x2(const float* rows) {
+  _tile_loadd(0, rows, 128);
+  _tile_loadd(1, rows + 16, 128);
+  _tile_loadd(2, rows + 16 * 32, 128);
+  _tile_loadd(3, rows + 16 * 32 + 16, 128);
+}
+
+template <int NV>
+static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p,
+                             const uint32_t* values_p, float scale, float* acc, float* lse) {
+  constexpr int64_t dim = NV * 16, pairs = dim / 2, steps = dim / 32;  // steps: 32-dim slices of a key
+  const auto* keys = reinterpret_cast<const c10::BFloat16*>(keys_p);
+  const auto* values_t = reinterpret_cast<const c10::BFloat16*>(values_p);
+  alignas(64) uint32_t qt[steps][2][16][16];   // B tiles: [dim slice][query half][pair][query]
+  alignas(64) float st[kAmxChunk][32];         // scores^T of a chunk
+  alignas(64) uint32_t pt[kAmxChunk / 2][32];  // weights^T as key pairs: [key pair][query]
+  alignas(64) float out_t[dim][32];            // outputs^T, unnormalized
+  alignas(64) int32_t len32[32];
+  int64_t max_len = 0, min_len = row_len[0];
+  for (int r = 0; r < 32; ++r) {
+    max_len = std::max(max_len, row_len[r]);
+    min_len = std::min(min_len, row_len[r]);
+    len32[r] = static_cast<int32_t>(row_len[r]);
+  }
+  for (int64_t s = 0; s < steps; ++s)
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 16; ++p)
+        for (int n = 0; n < 16; ++n) qt[s][h][p][n] = qp[(h * 16 + n) * pairs + s * 16 + p];
+  std::memset(out_t, 0, sizeof(out_t));
+  // per query half h: its lengths, the running maximum in use (log2 units; finite, so that rows
+  // with no keys yet make no NaNs) and the sum of weights
+  const __m512i len[2] = {_mm512_load_si512(len32), _mm512_load_si512(len32 + 16)};
+  __m512 m[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512 scale2 = _mm512_set1_ps(scale * kLog2e);
+  const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int64_t padded = (max_len + 31) / 32 * 32, seen_by_all = min_len & ~int64_t{1};
+  auto visible = [&](int64_t key, int h) { return _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), len[h]); };
+  for (int64_t c0 = 0; c0 < padded; c0 += kAmxChunk) {
+    // keys [c0, c0 + open) are seen by every query of the tile: no masks there
+    const int64_t n = std::min(kAmxChunk, padded - c0), open = std::clamp<int64_t>(seen_by_all - c0, 0, n);
+    memory_fence_for_tiles();
+    // scores^T: 32 keys x 32 queries a step (C tiles 0-3: four independent sums)
+    for (int64_t j = 0; j < n; j += 32) {
+      const c10::BFloat16* k = keys + (c0 + j) * dim;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s)
+        tile_product_2x2(k + 32 * s, k + 16 * dim + 32 * s, dim * 2, &qt[s][0][0][0], &qt[s][1][0][0], 64);
+      store_tiles_2x2(&st[j][0]);
+    }
+    // this chunk's maximum per query; the outputs are rescaled only when it passes the one in use
+    __m512 top[2];
+    __mmask16 grew = 0;
+    for (int h = 0; h < 2; ++h) {
+      // four running maxima (one would wait on each max's latency); keys from open & ~3 on masked
+      __m512 p0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), p1 = p0, p2 = p0, p3 = p0;
+      int64_t t = 0;
+      for (; t + 4 <= open; t += 4) {
+        p0 = _mm512_max_ps(p0, _mm512_load_ps(&st[t][16 * h]));
+        p1 = _mm512_max_ps(p1, _mm512_load_ps(&st[t + 1][16 * h]));
+        p2 = _mm512_max_ps(p2, _mm512_load_ps(&st[t + 2][16 * h]));
+        p3 = _mm512_max_ps(p3, _mm512_load_ps(&st[t + 3][16 * h]));
+      }
+      for (; t < n; ++t) p0 = _mm512_mask_max_ps(p0, visible(c0 + t, h), p0, _mm512_load_ps(&st[t][16 * h]));
+      top[h] = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(p0, p1), _mm512_max_ps(p2, p3)), scale2);
+      grew |= _mm512_cmp_ps_mask(top[h], _mm512_add_ps(m[h], _mm512_set1_ps(kSoftmaxSlack)), _CMP_GT_OQ);
+    }
+    if (grew != 0) {
+      __m512 factor[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 next = _mm512_max_ps(m[h], top[h]);
+        factor[h] = exp2_16(_mm512_max_ps(_mm512_sub_ps(m[h], next), _mm512_set1_ps(-200.f)));
+        l[h] = _mm512_mul_ps(l[h], factor[h]);
+        m[h] = next;
+      }
+      for (int64_t d = 0; d < dim; ++d)
+        for (int h = 0; h < 2; ++h) _mm512_store_ps(&out_t[d][16 * h], _mm512_mul_ps(_mm512_load_ps(&out_t[d][16 * h]), factor[h]));
+    }
+    // weights 2^(scale2 * s - m), zero where the query may not see the key, as bf16 key pairs
+    for (int h = 0; h < 2; ++h) {
+      const __m512 shift = _mm512_sub_ps(_mm512_setzero_ps(), m[h]);
+      for (int64_t t = 0; t < n; t += 2) {
+        __m512 e0 = exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&st[t][16 * h]), scale2, shift));
+        __m512 e1 = exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&st[t + 1][16 * h]), scale2, shift));
+        if (t >= open) {
+          e0 = _mm512_maskz_mov_ps(visible(c0 + t, h), e0);
+          e1 = _mm512_maskz_mov_ps(visible(c0 + t + 1, h), e1);
+        }
+        l[h] = _mm512_add_ps(l[h], _mm512_add_ps(e0, e1));
+        _mm512_store_si512(&pt[t / 2][16 * h], _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+      }
+    }
+    memory_fence_for_tiles();
+    // outputs^T += values^T x weights^T, two 16-dim slices at a time (C tiles 0-3)
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+      load_tiles_2x2(&out_t[d0][0]);
+      for (int64_t j = 0; j < n; j += 32) {
+        const c10::BFloat16* v = values_t + (c0 + j) * dim + d0 * 32;  // this 32-key block's [dim][32]
+        tile_product_2x2(v, v + 16 * 32, 64, &pt[j / 2][0], &pt[j / 2][16], 128);
+      }
+      store_tiles_2x2(&out_t[d0][0]);
+    }
+  }
+  alignas(64) float mf[32], lf[32];
+  for (int h = 0; h < 2; ++h) {
+    _mm512_store_ps(mf + 16 * h, m[h]);
+    _mm512_store_ps(lf + 16 * h, l[h]);
+  }
+  for (int r = 0; r < 32; ++r) {
+    const float inv = row_len[r] > 0 ? 1.f / lf[r] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] = out_t[d][r] * inv;
+    if (lse != nullptr && row_len[r] > 0) lse[r] = log_sum_exp_of(mf[r], lf[r]);
+  }
+}
+#endif
+
+inline std::atomic<bool> amx_on{true};  // one for every file; set_amx turns the tile path off (tests, benchmarks)
+
+static inline bool use_amx() {
+#if defined(KVSERVE_AMX)
+  return amx_permitted() && amx_on.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+// Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
+// values) writes sequence b's KV head h: as float32, keys transposed [dim][stride] and values
+// [len][dim]; with kPairs (bf16 pools), bf16 pairs in prefill_rows_bf16's layout (or, with kAmx,
+// prefill_rows_amx's: fill_bf16_pairs). Buffers start zeroed, so columns past len weigh nothing.
+// Not causal: every query sees all len keys of its sequence (a cascade's shared prefix). With
+// lse_out ([batch * query_len, heads] float32), each query row's log-sum-exp goes there too.
+template <typename T, int NV, int RB, bool kPairs, bool kAmx, typename O, typename Fill>
+static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride,
+                           int64_t batch, int64_t query_len, int64_t heads, int64_t kv_heads, float scale,
+                           const Fill& fill, bool causal, float* lse_out) {
+  using Word = std::conditional_t<kPairs, uint32_t, float>;
+  constexpr int64_t dim = NV * 16, words = kPairs ? dim / 2 : dim, pad = kPairs ? 32 : 16;
+  const int64_t group = heads / kv_heads;
+  // Phase 1: each sequence's keys and values, once per (sequence, KV head), padded to `pad`.
+  std::vector<int64_t> padded(batch), base(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    padded[b] = (lens[b] + pad - 1) / pad * pad;
+    base[b + 1] = base[b] + kv_heads * padded[b] * words;
+  }
+  std::vector<Word> keys_t(base[batch]), values(base[batch]);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / kv_heads, h = job % kv_heads, stride = padded[b];
+      fill(b, h, lens[b], stride, keys_t.data() + base[b] + h * stride * words,
+           values.data() + base[b] + h * stride * words, kAmx);
+    }
+  });
+  // Phase 2: tiles of RB query rows (row = position * group + head in group). Causal tiles
+  // cost more the later they sit, so jobs are dealt from both ends to balance the threads.
+  const int64_t tiles_per_head = (query_len * group + RB - 1) / RB;
+  const int64_t jobs = batch * kv_heads * tiles_per_head;
+  int64_t max_stride = pad;
+  for (int64_t b = 0; b < batch; ++b) max_stride = std::max(max_stride, padded[b]);
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Word> qw(RB * words);
+    std::vector<float> acc(RB * dim), scores(kPairs ? 0 : RB * max_stride);  // the bf16 kernels keep their own
+#if defined(KVSERVE_AMX)
+    if constexpr (kAmx) configure_tiles();  // per thread
+#endif
+    int64_t row_len[RB];
+    float lse[RB];
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t job = k % 2 == 0 ? k / 2 : jobs - 1 - k / 2;
+      const int64_t tile = job % tiles_per_head, bh = job / tiles_per_head;
+      const int64_t b = bh / kv_heads, h = bh % kv_heads, stride = padded[b];
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = tile * RB + r, i = row / group, g = row % group;
+        Word* qr = qw.data() + r * words;
+        if (row >= query_len * group) {
+          row_len[r] = 0;
+          std::fill(qr, qr + words, Word(0));
+          continue;
+        }
+        row_len[r] = causal ? lens[b] - query_len + i + 1 : lens[b];
+        const T* src = q + (b * query_len + i) * q_stride + (h * group + g) * dim;
+        if constexpr (kPairs) {
+          std::memcpy(qr, src, dim * sizeof(T));  // bf16 pairs as they are: the scale goes on the scores
+        } else {
+          to_float(src, qr, dim);
+          for (int64_t d = 0; d < dim; ++d) qr[d] *= scale;
+        }
+      }
+      const Word* kt = keys_t.data() + base[b] + h * stride * words;
+      const Word* vs = values.data() + base[b] + h * stride * words;
+      if constexpr (kAmx) {
+#if defined(KVSERVE_AMX)  // only instantiated where it is defined (run_prefill)
+        static_assert(RB == 32, "the AMX kernel takes 32 query rows");
+        prefill_rows_amx<NV>(qw.data(), row_len, kt, vs, scale, acc.data(), lse);
+#endif
+      } else if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, vs, scale, acc.data(), lse);
+#endif
+      } else {
+        prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data(), lse);
+      }
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = tile * RB + r, i = row / group, g = row % group;
+        if (row >= query_len * group) continue;
+        from_float(acc.data() + r * dim, out + (b * query_len + i) * out_stride + (h * group + g) * dim, dim);
+        if (lse_out != nullptr) lse_out[(b * query_len + i) * heads + h * group + g] = lse[r];
+      }
+    }
+#if defined(KVSERVE_AMX)
+    if constexpr (kAmx) _tile_release();  // this thread's tile state
+#endif
+  });
+}
+
+constexpr int kAmxRows = 32;  // query rows per AMX tile job (two 16-row tiles)
+
+// The prefill kernel for this head size; false where there is no vector path for it. (head_dim
+// 256 with one query row per tile measured 2x slower than SDPA's causal flash path: none.)
+template <typename T, bool kPairs = false, typename O, typename Fill>
+static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride, int64_t batch,
+                        int64_t query_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Fill& fill,
+                        bool causal = true, float* lse_out = nullptr) {
+  auto launch = [&](auto nv) {  // dim = 16 * NV
+    constexpr int NV = decltype(nv)::value;
+#if defined(KVSERVE_AMX)
+    if constexpr (kPairs) {
+      if (use_amx())
+        return prefill_kernel<T, NV, kAmxRows, true, true, O>(q, q_stride, lens, out, out_stride, batch, query_len,
+                                                              heads, kv_heads, scale, fill, causal, lse_out);
+    }
+#endif
+    constexpr int kRows = NV == 4 ? 4 : 2;  // query rows per tile: accumulators that fit the registers
+    prefill_kernel<T, NV, kRows, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
+                                                    kv_heads, scale, fill, causal, lse_out);
+  };
+  if (dim == 64) launch(std::integral_constant<int, 4>{});
+  else if (dim == 128) launch(std::integral_constant<int, 8>{});
+  else return false;
+  return true;
+}
+#endif

@@ -1,0 +1,46 @@
+// The Python module: every op of this folder (declared in ops.h).
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention_quantized", &paged_attention_quantized,
+        "attention over a quantized paged pool, written into out; False where unsupported: (out, q, data, kind, "
+        "key_scales, value_scales, v_scale, lut, tail, tail_slots, block_tables, seq_lens, query_len, scale)");
+  m.def("rope_and_write_kv", &rope_and_write_kv,
+        "rotary on the query/key heads of qkv in place, then K/V into the pool: (qkv, cos, sin, kv_cache, slots, heads)");
+  m.def("quantize_blocks", &quantize_blocks,
+        "whole blocks into an int4 or per-block int8 pool as the torch path: (src, rows, block_ids, kind, data, "
+        "key_scales, value_scales) -> bool");
+  m.def("rope_and_write_kv_int8", &rope_and_write_kv_int8,
+        "rope_and_write_kv into an int8 pool: keys by static per-channel scales, values per token: (qkv, cos, sin, "
+        "kv_cache, slots, heads, key_scales, value_scales, clipped)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal (or, causal=False, full) attention for query_len new tokens per sequence over the paged cache, "
+        "written into out (log-sum-exps into lse where given); False where unsupported: "
+        "(out, q, kv_cache, block_tables, seq_lens, query_len, scale, causal, lse)",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_len"), py::arg("scale"), py::arg("causal") = true, py::arg("lse") = py::none());
+  m.def("cascade_attention", &cascade_attention,
+        "attention over a prefix of blocks every sequence shares (read once) and each sequence's own blocks, "
+        "merged by log-sum-exps, into out; False where unsupported: (out, q, kv_cache, shared_table, shared_len, "
+        "own_tables, own_lens, query_len, scale)");
+  m.def("set_amx", &set_amx,
+        "use (or not) the AMX tile kernels for bf16 prefill where the CPU has them; returns whether they are used "
+        "now: (enabled)");
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
+        "(residual, delta, weight, eps)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up]: (gate_up)");
+  m.def("quantize_rows_int8", &quantize_rows_int8,
+        "per-row symmetric int8: (x, offset) -> (codes: int8, or uint8 + 128 with offset; float32 scales = max|row| / 127)");
+  m.def("scale_rows_", &scale_rows_, "x *= row_scales[:, None] (+ bias), in place: (x, row_scales, bias)");
+  m.def("int8_gemm_pack", &int8_gemm_pack,
+        "an int8 weight [n, k] and its channel scales packed for int8_linear; empty where unsupported: (codes, scales) "
+        "-> (packed, comp, scales)");
+  m.def("int8_linear", &int8_linear,
+        "W8A8 linear: x's rows quantized to int8, times the packed weight in VNNI, rescaled (+ bias, float32 padded "
+        "like scales), in x's dtype: (x, packed, comp, scales, out_features, bias)");
+}
