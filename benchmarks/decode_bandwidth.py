@@ -49,13 +49,15 @@ def sequential_read_gbps() -> float:
     return x.numel() * x.element_size() / best_of(lambda: x.sum(), 5) / 1e9
 
 
-def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers: int = LAYERS
-                ) -> dict[str, float]:
+def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers: int = LAYERS,
+                scattered: bool = True) -> dict[str, float]:
     """Milliseconds per layer of decode attention, the K/V bytes it read and the rate; ``layers``
-    pools, each read once per step (LAYERS of them: cold, from memory; one small one: hot, from cache)."""
+    pools, each read once per step (LAYERS of them: cold, from memory; one small one: hot, from cache).
+    Blocks scattered through the pool, as after churn, or (``scattered`` False) each sequence's in order."""
     per = -(-length // block_size)
     num_blocks = batch * per + 1
-    tables = (torch.randperm(batch * per) + 1).view(batch, per)  # scattered, as after churn
+    order = torch.randperm(batch * per) if scattered else torch.arange(batch * per)
+    tables = (order + 1).view(batch, per)
     lens = torch.full((batch,), length)
     q = torch.randn(batch, HEADS, DIM).to(torch.bfloat16)
     out = torch.empty_like(q)
