@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,28 +50,31 @@ def sequential_read_gbps() -> float:
     return x.numel() * x.element_size() / best_of(lambda: x.sum(), 5) / 1e9
 
 
-def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers: int = LAYERS,
-                scattered: bool = True) -> dict[str, float]:
-    """Milliseconds per layer of decode attention, the K/V bytes it read and the rate; ``layers``
-    pools, each read once per step (LAYERS of them: cold, from memory; one small one: hot, from cache).
-    Blocks scattered through the pool, as after churn, or (``scattered`` False) each sequence's in order."""
-    per = -(-length // block_size)
-    num_blocks = batch * per + 1
-    order = torch.randperm(batch * per) if scattered else torch.arange(batch * per)
-    tables = (order + 1).view(batch, per)
-    lens = torch.full((batch,), length)
+def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: int, scattered: bool = True,
+                     ops: Any = None) -> tuple[Callable[[int], None], float]:
+    """``layers`` pools of one decode step for sequences of ``lens`` tokens, and the op that reads
+    pool i (``ops``: a build of the C++ ops, by default this checkout's); with the K/V bytes
+    (and scales) per token. Blocks scattered through the pool, as after churn, or (``scattered``
+    False) each sequence's in order."""
+    batch, per = len(lens), [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 1
+    order = (torch.randperm(num_blocks - 1) if scattered else torch.arange(num_blocks - 1)) + 1
+    tables = torch.zeros(batch, max(per), dtype=torch.long)
+    for b, chunk in enumerate(order.split(per)):
+        tables[b, : len(chunk)] = chunk
+    seq_lens = torch.tensor(lens)
     q = torch.randn(batch, HEADS, DIM).to(torch.bfloat16)
     out = torch.empty_like(q)
     shape = (num_blocks, 2 * KV_HEADS, block_size, DIM)
     if kv_dtype == "bf16":
-        op = cpu_op("paged_decode_attention")
+        op: Any = ops.paged_decode_attention if ops is not None else cpu_op("paged_decode_attention")
         pools = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
 
         def layer(i: int) -> None:
-            op(out, q, pools[i], tables, lens, DIM**-0.5)
+            op(out, q, pools[i], tables, seq_lens, DIM**-0.5)
         value_scales = None
     else:
-        op = cpu_op("paged_attention_quantized")
+        op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")
         kind = "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
         key_scales = torch.rand(KV_HEADS, DIM) / 50 + 0.01
         value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, 1) / 50 + 0.01) if kind == "int8" else None
@@ -86,13 +90,21 @@ def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers:
 
         def layer(i: int) -> None:
             assert op(out, q, pools[i], KIND_CODES[kind], key_scales, value_scales, 0.02, lut, None, None, tables,
-                      lens, 1, DIM**-0.5)
-    seconds = best_of(lambda: [layer(i) for i in range(layers)], 3 if layers > 1 else 200) / layers
-    token_bytes = 2 * KV_HEADS * pools[0].shape[-1] * pools[0].element_size()
+                      seq_lens, 1, DIM**-0.5)
+    token_bytes: float = 2 * KV_HEADS * pools[0].shape[-1] * pools[0].element_size()
     if value_scales is not None:  # per token; int4's key tables are per block
         token_bytes += KV_HEADS * value_scales[0, 0, 0].numel() * value_scales.element_size()
     if kv_dtype == "int4":
         token_bytes += KV_HEADS * 2 * DIM * 2 / block_size
+    return layer, token_bytes
+
+
+def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers: int = LAYERS,
+                scattered: bool = True) -> dict[str, float]:
+    """Milliseconds per layer of decode attention, the K/V bytes it read and the rate; ``layers``
+    pools, each read once per step (LAYERS of them: cold, from memory; one small one: hot, from cache)."""
+    layer, token_bytes = attention_layers(kv_dtype, block_size, [length] * batch, layers, scattered)
+    seconds = best_of(lambda: [layer(i) for i in range(layers)], 3 if layers > 1 else 200) / layers
     return {"ms_per_layer": 1e3 * seconds, "ns_per_token": 1e9 * seconds / (batch * length),
             "kv_bytes": batch * length * token_bytes,
             "gbps": batch * length * token_bytes / seconds / 1e9}

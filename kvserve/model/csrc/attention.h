@@ -8,24 +8,41 @@
 
 // Runs job(b, h, qf, len, probs, acc, lse) for every (sequence, KV head) in parallel: qf holds
 // the group's scaled queries in float32, the job leaves the group's outputs in acc and, where
-// lse_out ([batch, heads]) is given, their log-sum-exps at lse.
+// lse_out ([batch, heads]) is given, their log-sum-exps at lse. A sequence costs its length, and
+// lengths in a batch differ by 3x or more, so work is not cut into equal counts per thread: each
+// thread takes the next job from a shared counter, longest sequences first, so the last to start
+// are the shortest. A job is a whole sequence, its heads in order on one thread (see
+// prefetch_whole_blocks), unless there are too few sequences to keep the threads busy; then it
+// is one KV head of one sequence.
 template <typename T, typename O, typename Job>
 static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, O* out, int64_t out_stride,
                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const Job& job,
                           float* lse_out = nullptr) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t group = heads / kv_heads, threads = at::get_num_threads();
+  const int64_t heads_per_job = batch >= 2 * threads ? kv_heads : 1, parts = kv_heads / heads_per_job;
+  const int64_t jobs = batch * parts;
+  std::vector<int64_t> order(jobs);
+  for (int64_t j = 0; j < jobs; ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return lens[x / parts] > lens[y / parts]; });
+  std::atomic<int64_t> next{0};
+  // one call per thread (or one call for all where the region cannot fork): each drains the counter
+  at::parallel_for(0, std::max<int64_t>(1, std::min(jobs, threads)), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(group * dim), acc(group * dim), probs;
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t b = j / kv_heads, h = j % kv_heads;
-      const int64_t len = lens[b];
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < jobs;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b = order[k] / parts, first = order[k] % parts * heads_per_job, len = lens[b];
       if (static_cast<int64_t>(probs.size()) < group * len) probs.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qrow = q + b * q_stride + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
+      for (int64_t h = first; h < first + heads_per_job; ++h) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* qrow = q + b * q_stride + (h * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
+        }
+        job(b, h, qf.data(), len, probs.data(), acc.data(),
+            lse_out != nullptr ? lse_out + b * heads + h * group : nullptr);
+        for (int64_t g = 0; g < group; ++g)
+          from_float(acc.data() + g * dim, out + b * out_stride + (h * group + g) * dim, dim);
       }
-      job(b, h, qf.data(), len, probs.data(), acc.data(), lse_out != nullptr ? lse_out + b * heads + h * group : nullptr);
-      for (int64_t g = 0; g < group; ++g) from_float(acc.data() + g * dim, out + b * out_stride + (h * group + g) * dim, dim);
     }
   });
 }
