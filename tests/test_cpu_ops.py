@@ -46,6 +46,47 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, tokens: int, inter: int)
     torch.testing.assert_close(out.float(), expected, atol=tol * 4, rtol=tol)
 
 
+needs_bf16_gemm = pytest.mark.skipif(
+    cpu_op("bf16_gemm_pack") is None or not cpu_op("bf16_gemm_pack")(torch.zeros(16, 2, dtype=torch.bfloat16)),
+    reason="no AVX512-BF16 GEMM in this build (or oneDNN's AMX tiles are used instead)")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 301])  # 6-row tiles, every tail
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 40), (1536, 100)])  # n not a multiple of 16 or of 64
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_is_float32_products_rounded_once(rows: int, k: int, n: int, with_bias: bool) -> None:
+    """The bf16 GEMM: exact products of the bf16 values summed in float32 (another order than
+    torch's: ~1e-6 of the sums' scale), bias added in float32, one rounding to bf16 (2^-9)."""
+    torch.manual_seed(rows + n)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    (packed,) = cpu_op("bf16_gemm_pack")(w)
+    groups = -(-n // 16)
+    bias32 = torch.zeros(groups * 16)
+    if bias is not None:
+        bias32[:n] = bias.float()
+    out = cpu_op("bf16_linear")(x, packed, n, bias32 if bias is not None else None)
+    expected = x.float() @ w.float().T + (bias.float() if bias is not None else 0)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=1e-3 * k**0.5, rtol=2**-8)
+
+
+@needs_bf16_gemm
+def test_packed_linear_takes_the_bf16_gemm_and_equals_linear() -> None:
+    from kvserve.model.llama import PackedLinear
+
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(96, 50).bfloat16()
+    packed = PackedLinear(linear)
+    assert packed._bf16_linear is not None
+    x = torch.randn(2, 9, 96).bfloat16()  # leading dims kept
+    out = packed(x)
+    expected = x.float() @ linear.weight.float().T + linear.bias.float()
+    assert out.shape == (2, 9, 50)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-8)
+
+
 @needs_ops
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(RuntimeError, match="contiguous"):

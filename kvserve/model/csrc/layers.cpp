@@ -163,6 +163,51 @@ void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch:
   });
 }
 
+#if defined(__AVX512F__)
+// One tile's sums: MR rows of x against NR packed groups of 16 output channels, each k step a
+// 32-bit broadcast of a row's next kPerWord inputs times the groups' 64-byte weight vectors, by
+// dot (the dot-product instruction); with prefetch, the next panel's same lines go to L2.
+template <int MR, int NR, int kPerWord, typename Acc, typename X, typename W, typename Dot>
+__attribute__((always_inline)) static inline void tile_sums(const X* x, int64_t k, const W* w, const W* prefetch,
+                                                             Acc (&acc)[MR][NR], const Dot& dot) {
+  const int64_t stride = k * 16;  // elements per packed group
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = Acc{};
+  for (int64_t kk = 0; kk < k; kk += kPerWord) {
+    __m512i b[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + kk * 16), _MM_HINT_T1);
+      b[j] = _mm512_loadu_si512(w + j * stride + kk * 16);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      int32_t word;
+      std::memcpy(&word, x + i * k + kk, 4);
+      const __m512i xi = _mm512_set1_epi32(word);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = dot(acc[i][j], xi, b[j]);
+    }
+  }
+}
+
+// A tile's outputs: value(i, j) is row i's 16 float32 results of group j, rounded into out.
+template <int MR, int NR, typename T, typename Value>
+__attribute__((always_inline)) static inline void store_tile(T* out, int64_t n, int64_t row, int64_t group,
+                                                              const Value& value) {
+  const int64_t col = group * 16, cols = std::min<int64_t>(NR * 16, n - col);
+  float result[NR * 16];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(result + 16 * j, value(i, j));
+    from_float(result, out + (row + i) * n + col, cols);
+  }
+}
+#endif
+
 // The int8 GEMM of those layers where the CPU has AVX512-VNNI (oneDNN's otherwise): vpdpbusd
 // multiplies 4 unsigned activation bytes (code + 128) by 4 signed weight bytes per 32-bit lane,
 // so the weight is packed as [groups of 16 output channels][k / 4][16][4] bytes (one 64-byte
@@ -192,81 +237,139 @@ struct Int8GemmArgs {
 
 template <int MR, int NR, typename T>
 static void int8_tile(const Int8GemmArgs& a, int64_t row, int64_t group, T* out, const int8_t* prefetch) {
-  const int64_t stride = a.k * 16;  // bytes per packed group
-  const int8_t* w = a.packed + group * stride;
-  const uint8_t* x = a.x + row * a.k;
   __m512i acc[MR][NR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
-  for (int64_t kk = 0; kk < a.k; kk += 4) {
-    __m512i b[NR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + kk * 16), _MM_HINT_T1);
-      b[j] = _mm512_loadu_si512(w + j * stride + kk * 16);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      int32_t four;
-      std::memcpy(&four, x + i * a.k + kk, 4);
-      const __m512i xi = _mm512_set1_epi32(four);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) acc[i][j] = dpbusd(acc[i][j], xi, b[j]);
-    }
-  }
-  const int64_t col = group * 16, cols = std::min<int64_t>(NR * 16, a.n - col);
-  float result[NR * 16];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    const __m512 xs = _mm512_set1_ps(a.x_scales[row + i]);
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      const int64_t c = col + 16 * j;
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(a.comp + c)));
-      __m512 v = _mm512_mul_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(a.w_scales + c), xs));
-      if (a.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + c));
-      _mm512_storeu_ps(result + 16 * j, v);
-    }
-    from_float(result, out + (row + i) * a.n + col, cols);
-  }
+  tile_sums<MR, NR, 4>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch, acc,
+                       [](__m512i sum, __m512i x, __m512i w) { return dpbusd(sum, x, w); });
+  store_tile<MR, NR>(out, a.n, row, group, [&](int i, int j) {
+    const int64_t c = group * 16 + 16 * j;
+    const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(a.comp + c)));
+    const __m512 v = _mm512_mul_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(a.w_scales + c), _mm512_set1_ps(a.x_scales[row + i])));
+    return a.bias != nullptr ? _mm512_add_ps(v, _mm512_loadu_ps(a.bias + c)) : v;
+  });
 }
 
-// Rows [0, m) against groups [group, group + NR): MR-row tiles, then the remaining rows.
-template <int NR, typename T>
-static void int8_panel(const Int8GemmArgs& a, int64_t group, T* out, const int8_t* prefetch) {
+struct Int8Tile {
+  using Args = Int8GemmArgs;
+  static const void* group_start(const Args& a, int64_t group) { return a.packed + group * a.k * 16; }
+  template <int MR, int NR, typename T>
+  static void run(const Args& a, int64_t row, int64_t group, T* out, const void* prefetch) {
+    int8_tile<MR, NR>(a, row, group, out, static_cast<const int8_t*>(prefetch));
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+// Rows [0, m) against groups [group, group + NR) of 16 output channels: MR-row tiles, then the
+// remaining rows; the first tile prefetches the next panel (Tile::run's prefetch argument).
+template <typename Tile, int NR, typename T>
+static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, const void* prefetch) {
   constexpr int MR = NR == 4 ? 6 : 8;  // MR * NR accumulators + NR weight vectors + 1 broadcast <= 32
   int64_t row = 0;
-  for (; row + MR <= a.m; row += MR, prefetch = nullptr) int8_tile<MR, NR>(a, row, group, out, prefetch);
+  for (; row + MR <= a.m; row += MR, prefetch = nullptr) Tile::template run<MR, NR>(a, row, group, out, prefetch);
   switch (a.m - row) {
-#define KVSERVE_INT8_TAIL(R) \
-  case R: int8_tile<R, NR>(a, row, group, out, prefetch); break;
-    KVSERVE_INT8_TAIL(1) KVSERVE_INT8_TAIL(2) KVSERVE_INT8_TAIL(3) KVSERVE_INT8_TAIL(4) KVSERVE_INT8_TAIL(5)
-    KVSERVE_INT8_TAIL(6) KVSERVE_INT8_TAIL(7)
-#undef KVSERVE_INT8_TAIL
+#define KVSERVE_GEMM_TAIL(R) \
+  case R: Tile::template run<R, NR>(a, row, group, out, prefetch); break;
+    KVSERVE_GEMM_TAIL(1) KVSERVE_GEMM_TAIL(2) KVSERVE_GEMM_TAIL(3) KVSERVE_GEMM_TAIL(4) KVSERVE_GEMM_TAIL(5)
+    KVSERVE_GEMM_TAIL(6) KVSERVE_GEMM_TAIL(7)
+#undef KVSERVE_GEMM_TAIL
     default: break;
   }
 }
 
-template <typename T>
-static void int8_gemm(const Int8GemmArgs& a, T* out) {
+// A GEMM over weights packed by groups of 16 output channels: each thread owns consecutive
+// groups and goes through them in panels of up to 4.
+template <typename Tile, typename T>
+static void packed_gemm(const typename Tile::Args& a, T* out) {
   const int64_t groups = (a.n + 15) / 16;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end;) {
       const int64_t nr = std::min<int64_t>(4, end - g);
-      const int8_t* next = g + nr < end ? a.packed + (g + nr) * a.k * 16 : nullptr;
+      const void* next = g + nr < end ? Tile::group_start(a, g + nr) : nullptr;
       switch (nr) {
-        case 4: int8_panel<4>(a, g, out, next); break;
-        case 3: int8_panel<3>(a, g, out, next); break;
-        case 2: int8_panel<2>(a, g, out, next); break;
-        default: int8_panel<1>(a, g, out, next); break;
+        case 4: gemm_panel<Tile, 4>(a, g, out, next); break;
+        case 3: gemm_panel<Tile, 3>(a, g, out, next); break;
+        case 2: gemm_panel<Tile, 2>(a, g, out, next); break;
+        default: gemm_panel<Tile, 1>(a, g, out, next); break;
       }
       g += nr;
     }
   });
 }
 #endif
+
+#if defined(__AVX512BF16__)
+// The bf16 GEMM of decode-sized batches (oneDNN's brgemm measured 230-340 GFLOP/s at 16-64 rows
+// on this model's shapes against ~400 at 2,048): vdpbf16ps multiplies 2 activation values
+// (one broadcast 32-bit pair) by 2 weights per output lane, so the weight is packed as [groups of
+// 16 output channels][k / 2][16][2] (one 64-byte load = 16 channels x 2 k), float32 sums in
+// registers, rounded once to bf16.
+static inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // in place (see dpbusd)
+  return acc;
+}
+
+struct Bf16GemmArgs {
+  const uint16_t* x;       // [m, k] bf16
+  const uint16_t* packed;  // [groups, k / 2, 16, 2] bf16
+  const float* bias;       // [groups * 16] or nullptr
+  int64_t m, k, n;
+};
+
+struct Bf16Tile {
+  using Args = Bf16GemmArgs;
+  static const void* group_start(const Args& a, int64_t group) { return a.packed + group * a.k * 16; }
+  template <int MR, int NR, typename T>
+  static void run(const Args& a, int64_t row, int64_t group, T* out, const void* prefetch) {
+    __m512 acc[MR][NR];
+    tile_sums<MR, NR, 2>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, static_cast<const uint16_t*>(prefetch),
+                         acc, [](__m512 sum, __m512i x, __m512i w) { return dpbf16(sum, x, w); });
+    store_tile<MR, NR>(out, a.n, row, group, [&](int i, int j) {
+      return a.bias != nullptr ? _mm512_add_ps(acc[i][j], _mm512_loadu_ps(a.bias + group * 16 + 16 * j)) : acc[i][j];
+    });
+  }
+};
+#endif
+
+std::vector<torch::Tensor> bf16_gemm_pack(torch::Tensor w) {
+  // w bf16 [n, k] -> packed bf16 [groups, k / 2, 16, 2] for bf16_linear, channels past n zero; empty
+  // where this build has no AVX512-BF16 or k is odd, and on CPUs with AMX-BF16, where oneDNN
+  // multiplies in tiles (the kernel was not measured against those)
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w: bf16 [n, k]");
+  const int64_t n = w.size(0), k = w.size(1), groups = (n + 15) / 16;
+  if (k % 2 != 0) return {};
+  auto padded = torch::zeros({groups * 16, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  // [groups, 16, k/2, 2] -> [groups, k/2, 16, 2]
+  return {padded.view({groups, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous()};
+#else
+  (void)w;
+  return {};
+#endif
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias) {
+  // x bf16 [m, k] contiguous -> x @ W.T (+ bias) [m, out_features] bf16, W from bf16_gemm_pack; bias
+  // float32, padded to the groups (prepared once at load)
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [m, k]");
+  const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(1) * 2 == k && packed.is_contiguous(),
+              "packed weight does not match x / out_features");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
+                "bias: float32 [out_features padded to a multiple of 16]");
+  auto out = torch::empty({m, out_features}, x.options());
+  const Bf16GemmArgs args{reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                          reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                          bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features};
+  packed_gemm<Bf16Tile>(args, out.data_ptr<c10::BFloat16>());
+  return out;
+#else
+  TORCH_CHECK(false, "bf16_linear needs AVX512-BF16 (bf16_gemm_pack returned nothing)");
+#endif
+}
 
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales) {
   // codes int8 [n, k], scales float32 [n] -> (packed int8 [groups, k / 4, 16, 4], comp int32 [groups * 16],
@@ -322,7 +425,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     const Int8GemmArgs args{codes.data_ptr<uint8_t>(), x_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
                             comp.data_ptr<int32_t>(), scales.data_ptr<float>(),
                             bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features};
-    int8_gemm<scalar_t>(args, out.data_ptr<scalar_t>());
+    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>());
   });
   return out;
 #else

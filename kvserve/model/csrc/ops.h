@@ -41,3 +41,6 @@ void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch:
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
                           int64_t out_features, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> bf16_gemm_pack(torch::Tensor w);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias);
