@@ -154,7 +154,7 @@ class RotaryTables(NamedTuple):
 class PackedLinear(nn.Module):
     """A linear layer whose weight is pre-packed once for the CPU's GEMM. bf16 weights on CPUs
     with AVX512-BF16 and no AMX: packed for kvserve's own GEMM (the ``bf16_linear`` C++ op,
-    measured 1.4-1.5x oneDNN's speed at 16-64 rows on this model's shapes, level at 2,048);
+    measured 1.2-1.7x oneDNN's speed at 16-64 rows on this model's shapes, 1.17x at 2,048);
     otherwise oneDNN's blocked layout (measured at decode batch sizes ~30% faster than F.linear
     in bf16, ~40% in fp32; on AMX, oneDNN multiplies in tiles)."""
 
