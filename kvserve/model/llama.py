@@ -166,13 +166,11 @@ class PackedLinear(nn.Module):
         pack = cpu_op("bf16_gemm_pack") if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
         packed = pack(weight) if pack is not None else []
         self._bf16_linear: Any = cpu_op("bf16_linear") if packed else None
-        self._bias32: torch.Tensor | None = None
         if packed:
             self.register_buffer("packed_weight", packed[0], persistent=False)
-            groups = packed[0].shape[0]
-            if linear.bias is not None:  # float32, padded to the packed groups
-                self._bias32 = torch.zeros(groups * 16)
-                self._bias32[: self.out_features] = linear.bias.detach().float()
+            # its bias in float32, padded to the packed groups (as Int8Linear's): once here, not per call
+            self.register_buffer("bias32", None if linear.bias is None else F.pad(
+                linear.bias.detach().float(), (0, 16 * packed[0].shape[0] - self.out_features)), persistent=False)
         else:
             packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
             self.register_buffer("packed_weight", packed_weight, persistent=False)
@@ -180,7 +178,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_linear is not None:
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-            out = self._bf16_linear(rows, self.packed_weight, self.out_features, self._bias32)
+            out = self._bf16_linear(rows, self.packed_weight, self.out_features, self.bias32)
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
