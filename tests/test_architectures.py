@@ -63,10 +63,10 @@ def test_tiny_pool_forces_preemption_and_stays_exact(tiny_model_factory: Callabl
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
     heads, head_dim, cols = 3, 8, 5
-    w = torch.randn(heads * head_dim, cols).numpy()
+    w = torch.randn(heads * head_dim, cols)
     # llama.cpp's convert script: interleave the two rotary halves of every head
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
-    assert (unpermute_rotary(permuted, heads) == w).all()
+    assert torch.equal(unpermute_rotary(permuted, heads), w)
 
 
 def test_tied_embeddings_share_storage(tiny_model_factory: Callable[..., Path]) -> None:

@@ -47,7 +47,14 @@ from kvserve.engine.snapkv import snapkv_keep
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.int8_linear import quantize_linears, quantized_bytes
-from kvserve.model.llama import LlamaForCausalLM, apply_rope, pack_linears_for_cpu, rope_at, rope_inv_freq
+from kvserve.model.llama import (
+    LlamaForCausalLM,
+    apply_rope,
+    pack_linears_for_cpu,
+    rope_at,
+    rope_inv_freq,
+    weights_uninitialized,
+)
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger("kvserve")
@@ -75,7 +82,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     model_config, weights = load_checkpoint(path)
     fingerprint = model_fingerprint(asdict(model_config), weights)
     model_class = DeepseekForCausalLM if model_config.mla is not None else LlamaForCausalLM
-    module = model_class(model_config, model_config.max_position_embeddings)
+    with weights_uninitialized():
+        module = model_class(model_config, model_config.max_position_embeddings)
     module.load_weights(weights)
     del weights
     module = module.to(device=device, dtype=dtype).eval()

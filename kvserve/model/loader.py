@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from kvserve.model.gguf_file import GGUFFile, dequantize
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {
@@ -280,14 +281,7 @@ _GGUF_GEMMA_NAMES = {
 }
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        return default
-    return field_.contents()
-
-
-def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> split halves)."""
     rows = weight.shape[0]
     return (
@@ -297,20 +291,20 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _gguf_config(reader: Any) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
+def _gguf_config(reader: GGUFFile) -> ModelConfig:
+    arch = reader.fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
 
     def key(name: str, default: Any = None) -> Any:
-        return _gguf_field(reader, f"{arch}.{name}", default)
+        return reader.fields.get(f"{arch}.{name}", default)
 
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = key("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    vocab = key("vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", []))
     head_dim = key("attention.key_length") or hidden // num_heads
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
@@ -335,16 +329,13 @@ def _gguf_config(reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=scaling,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         **extras,
     )
 
 
-def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
+def _gguf_weights(reader: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     layer_names = _GGUF_GEMMA_NAMES if config.is_gemma else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
@@ -358,12 +349,7 @@ def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
             hf_name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
             continue
-        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            data = np.asarray(tensor.data, dtype=np.float32)
-        else:
-            data = dequantize(tensor.data, tensor.tensor_type)
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        data = data.reshape(shape)
+        data = dequantize(tensor)
         # llama.cpp permutes Q/K rows for its rotary layout, only for llama-arch models.
         if config.architecture in ("llama", "mistral"):
             if ".self_attn.q_proj." in hf_name:
@@ -372,7 +358,7 @@ def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
                 data = unpermute_rotary(data, config.num_kv_heads)
         if config.norm_offset and hf_name.endswith("norm.weight"):
             data = data - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
-        weights[hf_name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
+        weights[hf_name] = data.contiguous()
     return weights
 
 
@@ -381,18 +367,14 @@ def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
 
 def load_model_config(path: Path) -> ModelConfig:
     if path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        return _gguf_config(GGUFReader(str(path)))
+        return _gguf_config(GGUFFile(path))
     return _hf_config(path)
 
 
 def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 weights (HF names) from a .gguf file or an HF folder."""
     if path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
+        reader = GGUFFile(path)
         config = _gguf_config(reader)
         return config, _gguf_weights(reader, config)
     config = _hf_config(path)
