@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine.sampling import greedy_tokens
 from kvserve.model.cpu_kernels import cpu_op
 
 needs_ops = pytest.mark.skipif(cpu_op("add_rms_norm") is None, reason="no C++ toolchain")
@@ -37,7 +38,9 @@ def test_add_rms_norm_matches_torch(dtype: torch.dtype, tokens: int, hidden: int
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (40, 24), (257, 100)])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, tokens: int, inter: int) -> None:
     torch.manual_seed(1)
-    gate_up = (torch.randn(tokens, 2 * inter) * 4).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter) * 4
+    gate_up[0, : min(inter, 6)] = torch.tensor([-100.0, 100.0, -90.0, 90.0, 0.0, -0.5])[: min(inter, 6)]  # exp's ends
+    gate_up = gate_up.to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     expected = F.silu(gate) * up
     out = cpu_op("silu_and_mul")(gate_up)
@@ -118,3 +121,18 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept() -> None:
         assert not lock.exists()
     finally:
         shutil.rmtree(build, ignore_errors=True)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 15), (4, 16), (5, 33), (7, 49152)])
+def test_argmax_rows_matches_torch(rows: int, n: int) -> None:
+    torch.manual_seed(rows)
+    wide = torch.randn(rows, n + 5)
+    logits = wide[:, :n]  # rows strided, as a vocabulary slice is
+    if n > 20:  # ties: the first maximum wins, wherever the copies fall among the vector lanes
+        logits[0, 3] = logits[0, n - 2] = logits[0, 19] = 50.0
+        logits[1, n - 1] = 60.0
+    if rows > 2:
+        logits[2] = float("-inf")
+    torch.testing.assert_close(cpu_op("argmax_rows")(logits), logits.argmax(dim=-1), atol=0, rtol=0)
+    assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()

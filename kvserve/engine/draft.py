@@ -15,7 +15,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sampling import SamplingParams, greedy_tokens
 from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.engine.spec_decode import Proposal, Proposer
 from kvserve.model.llama import LlamaForCausalLM
@@ -109,7 +109,7 @@ class DraftModelProposer(Proposer):
         ends = dict(zip((id(c.request) for c in ordered), np.cumsum([c.num_tokens for c in ordered]) - 1,
                         strict=True))
         rows = torch.tensor([int(ends[id(seq)]) for _, seq in finishing], device=self.device)
-        tokens = self.model.compute_logits(hidden[rows])[:, : self.vocab_size].argmax(dim=-1).tolist()
+        tokens = greedy_tokens(self.model.compute_logits(hidden[rows])[:, : self.vocab_size]).tolist()
         for (i, _), token in zip(finishing, tokens, strict=True):
             drafts[i].append(int(token))
 

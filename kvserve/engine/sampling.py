@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.model.cpu_kernels import cpu_op
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -182,7 +184,7 @@ def sample(
     raw = logits
     if history is not None:
         logits = process_logits(logits, params, history)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
@@ -195,6 +197,15 @@ def sample(
                 noise[j] = exponential_noise(probs.shape[-1], probs, gen)
         tokens[rows] = (probs / noise).argmax(dim=-1)
     return with_logprobs(raw, tokens.tolist(), params)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [N, vocab] logits (the first maximum); the C++ op on CPU
+    float32 (torch's argmax costs ~1.3 ms at 32 x 49,152 here, ~2% of a decode step)."""
+    op = cpu_op("argmax_rows") if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if op is None or logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    return op(logits)
 
 
 def exponential_noise(size: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up]: (gate_up)");
+  m.def("argmax_rows", &argmax_rows, "first index of each float32 row's maximum: (logits) -> int64 [rows]");
   m.def("quantize_rows_int8", &quantize_rows_int8,
         "per-row symmetric int8: (x, offset) -> (codes: int8, or uint8 + 128 with offset; float32 scales = max|row| / 127)");
   m.def("scale_rows_", &scale_rows_, "x *= row_scales[:, None] (+ bias), in place: (x, row_scales, bias)");

@@ -18,8 +18,8 @@
 #endif
 #if defined(__AVX512F__)
 // exp for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 split hi/lo (Cody-Waite),
-// e^r by its degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7). Inputs here
-// are <= 0 (scores minus their max); below -87 the result flushes to 0.
+// e^r by its degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7). Below -87 the
+// result flushes to 0; above ~88.7 it is +inf.
 static inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);

@@ -60,8 +60,22 @@ static void silu_and_mul_kernel(const T* gate_up, T* out, int64_t tokens, int64_
     for (int64_t t = begin; t < end; ++t) {
       to_float(gate_up + t * 2 * inter, g.data(), inter);
       to_float(gate_up + t * 2 * inter + inter, u.data(), inter);
+#if defined(__AVX512F__)
+      // exp16, not std::exp: GCC called the scalar expf per element (0.6 ns each on 2 threads
+      // at 2,048 x 1,536, a prefill chunk: 1.9 ms, more than a tenth of the GEMM before it)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 m = tail_mask(inter - i);
+        const __m512 gate = _mm512_maskz_loadu_ps(m, g.data() + i);
+        // e^-gate capped at e^80: 1 / (1 + inf) is NaN under -ffast-math's reciprocal
+        const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate), _mm512_set1_ps(80.f)));
+        const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(g.data() + i, m, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), _mm512_maskz_loadu_ps(m, u.data() + i)));
+      }
+#else
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
       from_float(g.data(), out + t * inter, inter);
     }
   });
@@ -75,6 +89,46 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter);
+  });
+  return out;
+}
+
+// Greedy sampling's argmax of each row of float32 logits: the first index of the row's maximum
+// (torch's tie rule; NaNs are not looked for). torch's argmax took 1.3 ms over 32 x 49,152 here.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
+              logits.scalar_type() == at::kFloat, "logits must be float32 [rows, n > 0], rows contiguous");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* best_index = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * stride;
+      int64_t i = 0, index = 0;
+      float top = row[0];
+#if defined(__AVX512F__)
+      if (n >= 16) {  // per lane: its maximum and where it first was; then the lanes merged
+        __m512 lane_top = _mm512_loadu_ps(row);
+        __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i position = lane_index;
+        const __m512i step = _mm512_set1_epi32(16);
+        for (i = 16; i + 16 <= n; i += 16) {
+          position = _mm512_add_epi32(position, step);
+          const __m512 v = _mm512_loadu_ps(row + i);
+          const __mmask16 higher = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
+          lane_top = _mm512_mask_mov_ps(lane_top, higher, v);
+          lane_index = _mm512_mask_mov_epi32(lane_index, higher, position);
+        }
+        top = _mm512_reduce_max_ps(lane_top);
+        const __mmask16 at_top = _mm512_cmp_ps_mask(lane_top, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        index = _mm512_mask_reduce_min_epi32(at_top, lane_index);
+      }
+#endif
+      for (; i < n; ++i)
+        if (row[i] > top) top = row[i], index = i;
+      best_index[r] = index;
+    }
   });
   return out;
 }

@@ -36,6 +36,7 @@ bool quantize_blocks(torch::Tensor src, torch::Tensor rows, torch::Tensor block_
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor x, bool offset);
 void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch::Tensor> bias);
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales);
