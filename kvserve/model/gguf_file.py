@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -25,14 +26,13 @@ _NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint3
                  6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 
-# tensor types (GGMLQuantizationType) read here without gguf: type -> (elements per block, bytes per block)
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-_BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), BF16: (1, 2)}
+F32, F16, BF16 = GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16
+Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
 
 class GGUFTensor(NamedTuple):
     name: str
-    tensor_type: int  # GGMLQuantizationType's value
+    tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # row-major (outermost first), the reverse of GGUF's ne[] order
     data: np.ndarray  # the raw bytes (uint8), a view of the file's map
 
@@ -62,14 +62,14 @@ class GGUFFile:
             name = self._string()
             dims = struct.unpack_from(f"<{self._scalar('I')}Q", buffer, self._offset)
             self._offset += 8 * len(dims)
-            infos.append((name, dims, self._scalar("I"), self._scalar("Q")))
+            infos.append((name, dims, GGMLQuantizationType(self._scalar("I")), self._scalar("Q")))
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self._offset // alignment) * alignment
         whole = np.frombuffer(self._map, dtype=np.uint8)
         self.tensors: list[GGUFTensor] = []
         for name, dims, tensor_type, offset in infos:
             elements = int(np.prod(dims))
-            block, block_bytes = _block_size(tensor_type)
+            block, block_bytes = GGML_QUANT_SIZES[tensor_type]
             begin = start + offset
             self.tensors.append(GGUFTensor(name, tensor_type, tuple(reversed(dims)),
                                            whole[begin:begin + elements // block * block_bytes]))
@@ -99,14 +99,6 @@ class GGUFFile:
         return self._scalar(_SCALAR_FORMATS[value_type])
 
 
-def _block_size(tensor_type: int) -> tuple[int, int]:
-    if tensor_type in _BLOCKS:
-        return _BLOCKS[tensor_type]
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType(tensor_type)]
-
-
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor's values in float32, shaped ``tensor.shape``."""
     raw = torch.from_numpy(tensor.data)
@@ -115,16 +107,15 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     elif tensor.tensor_type in (F16, BF16):
         values = raw.view(torch.float16 if tensor.tensor_type == F16 else torch.bfloat16).float()
     elif tensor.tensor_type in (Q4_0, Q4_1, Q8_0):
-        values = _dequantize_blocks(raw.view(-1, _BLOCKS[tensor.tensor_type][1]), tensor.tensor_type)
+        values = _dequantize_blocks(raw.view(-1, GGML_QUANT_SIZES[tensor.tensor_type][1]), tensor.tensor_type)
     else:
-        from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize as numpy_dequantize
 
-        values = torch.from_numpy(numpy_dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type)))
+        values = torch.from_numpy(numpy_dequantize(tensor.data, tensor.tensor_type))
     return values.reshape(tensor.shape)
 
 
-def _dequantize_blocks(blocks: torch.Tensor, tensor_type: int) -> torch.Tensor:
+def _dequantize_blocks(blocks: torch.Tensor, tensor_type: GGMLQuantizationType) -> torch.Tensor:
     """Blocks of 32 weights behind a float16 scale d (and for Q4_1 a float16 minimum m):
     Q8_0 holds int8 q (w = d·q); Q4_0/Q4_1 hold 4-bit q, weights 0-15 in the low nibbles
     and 16-31 in the high ones (w = d·(q - 8), w = d·q + m)."""
