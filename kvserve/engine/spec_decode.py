@@ -35,6 +35,7 @@ from kvserve.engine.sampling import (
     TokenHistory,
     exponential_noise,
     filter_logits,
+    greedy_tokens,
     process_logits,
     with_logprobs,
 )
@@ -91,7 +92,7 @@ def verify(raw: torch.Tensor, drafts: list[int], params: SamplingParams, generat
         logits = process_logits(raw, rows, [TokenHistory(history.prompt, history.output + drafts[:i],
                                                          history.stop_ids) for i in range(k + 1)])
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy_tokens(logits).tolist()
         accepted = next((i for i, (d, t) in enumerate(zip(drafts, target, strict=False)) if d != t), k)
         tokens = [*drafts[:accepted], target[accepted]]
     else:
