@@ -3,6 +3,8 @@
 // of several torch ops (each a dispatch and a trip through memory), float32 inside.
 // int8_linear (+ int8_gemm_pack): a W8A8 linear layer in one call, VNNI int8 GEMM;
 // quantize_rows_int8 / scale_rows_: the two ends of one where oneDNN does the GEMM.
+#include <omp.h>
+
 #include "common.h"
 #include "ops.h"
 
@@ -142,30 +144,36 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // codes = round(x / s) with s = max|x| / 127 per row (1 for an all-zero row); scales[r] = s.
 // ``offset``: codes + 128 as uint8 (oneDNN's u8 activations, zero point 128), else int8.
 template <typename T>
-static void quantize_rows_kernel(const T* x, uint8_t* codes, float* scales, int64_t rows, int64_t cols, bool offset) {
+static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_t begin, int64_t end, int64_t cols,
+                               bool offset) {
   const int flip = offset ? 0x80 : 0;  // two's complement + 128 = the sign bit flipped
-  at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-    std::vector<float> f(cols);
-    for (int64_t r = begin; r < end; ++r) {
-      to_float(x + r * cols, f.data(), cols);
-      float amax = 0.f;
+  std::vector<float> f(cols);
+  for (int64_t r = begin; r < end; ++r) {
+    to_float(x + r * cols, f.data(), cols);
+    float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(f[i]));
-      const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
-      scales[r] = scale;
-      uint8_t* row = codes + r * cols;
-      int64_t i = 0;
+    for (int64_t i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(f[i]));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+    scales[r] = scale;
+    uint8_t* row = codes + r * cols;
+    int64_t i = 0;
 #if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
-      for (; i + 16 <= cols; i += 16) {  // round to nearest even, saturate to int8
-        const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f.data() + i), vinv)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(q, vflip));
-      }
-#endif
-      for (; i < cols; ++i)
-        row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(f[i] * inv))) ^ static_cast<uint8_t>(flip);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+    for (; i + 16 <= cols; i += 16) {  // round to nearest even, saturate to int8
+      const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f.data() + i), vinv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(q, vflip));
     }
+#endif
+    for (; i < cols; ++i)
+      row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(f[i] * inv))) ^ static_cast<uint8_t>(flip);
+  }
+}
+
+template <typename T>
+static void quantize_rows_kernel(const T* x, uint8_t* codes, float* scales, int64_t rows, int64_t cols, bool offset) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+    quantize_row_range(x, codes, scales, begin, end, cols, offset);
   });
 }
 
@@ -330,13 +338,23 @@ static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, cons
   }
 }
 
-// A GEMM over weights packed by groups of 16 output channels: each thread owns consecutive
-// groups and goes through them in panels of up to 4.
-template <typename Tile, typename T>
-static void packed_gemm(const typename Tile::Args& a, T* out) {
+// A GEMM over weights packed by groups of 16 output channels, in one parallel region: each
+// thread first runs prologue(row_begin, row_end) on its share of the rows (the int8 layer
+// quantizes its activations there), waits for the others, then owns consecutive groups and goes
+// through them in panels of up to 4. One region rather than two parallel_for calls: at decode
+// sizes a layer is ~50-200 us and the second fork/join and a one-thread quantization showed.
+template <typename Tile, typename T, typename Prologue>
+static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& prologue) {
   const int64_t groups = (a.n + 15) / 16;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end;) {
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    prologue(a.m * thread / team, a.m * (thread + 1) / team);
+#pragma omp barrier
+    const int64_t chunk = (groups + team - 1) / team;
+    const int64_t end = std::min(groups, (thread + 1) * chunk);
+    for (int64_t g = thread * chunk; g < end;) {
       const int64_t nr = std::min<int64_t>(4, end - g);
       const void* next = g + nr < end ? Tile::group_start(a, g + nr) : nullptr;
       switch (nr) {
@@ -347,7 +365,7 @@ static void packed_gemm(const typename Tile::Args& a, T* out) {
       }
       g += nr;
     }
-  });
+  }
 }
 #endif
 
@@ -418,7 +436,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   const Bf16GemmArgs args{reinterpret_cast<const uint16_t*>(x.data_ptr()),
                           reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                           bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features};
-  packed_gemm<Bf16Tile>(args, out.data_ptr<c10::BFloat16>());
+  packed_gemm<Bf16Tile>(args, out.data_ptr<c10::BFloat16>(), [](int64_t, int64_t) {});
   return out;
 #else
   TORCH_CHECK(false, "bf16_linear needs AVX512-BF16 (bf16_gemm_pack returned nothing)");
@@ -474,12 +492,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
                 "bias: float32 [out_features padded to a multiple of 16]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    quantize_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), x_scales.data_ptr<float>(), m, k,
-                                   true);
-    const Int8GemmArgs args{codes.data_ptr<uint8_t>(), x_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                            comp.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                            bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features};
-    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>());
+    const scalar_t* rows = x.data_ptr<scalar_t>();
+    uint8_t* row_codes = codes.data_ptr<uint8_t>();
+    float* row_scales = x_scales.data_ptr<float>();
+    const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
+                            scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                            m, k, out_features};
+    // each thread quantizes its share of the rows inside the GEMM's parallel region
+    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
+      quantize_row_range(rows, row_codes, row_scales, begin, end, k, true);
+    });
   });
   return out;
 #else
