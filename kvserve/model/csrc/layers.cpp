@@ -226,24 +226,39 @@ void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch:
 }
 
 #if defined(__AVX512F__)
+// The cache lines of the next panel that one tile prefetches into L2: a panel is its groups' k
+// steps, one 64-byte line each (16 channels x kPerWord inputs), numbered group by group; each
+// tile of a panel takes an equal share, so the weights stream from memory at an even rate over
+// the whole panel (a burst at its first tile left the other tiles' time without memory traffic).
+struct PrefetchShare {
+  const void* next;  // the next panel's first group, or nullptr
+  int64_t begin, end;  // its lines [begin, end) for this tile
+};
+
 // One tile's sums: MR rows of x against NR packed groups of 16 output channels, each k step a
 // 32-bit broadcast of a row's next kPerWord inputs times the groups' 64-byte weight vectors, by
-// dot (the dot-product instruction); with prefetch, the next panel's same lines go to L2.
+// dot (the dot-product instruction); meanwhile the share's lines are prefetched, spread evenly
+// over the k steps.
 template <int MR, int NR, int kPerWord, typename Acc, typename X, typename W, typename Dot>
-__attribute__((always_inline)) static inline void tile_sums(const X* x, int64_t k, const W* w, const W* prefetch,
-                                                             Acc (&acc)[MR][NR], const Dot& dot) {
+__attribute__((always_inline)) static inline void tile_sums(const X* x, int64_t k, const W* w,
+                                                             const PrefetchShare& share, Acc (&acc)[MR][NR],
+                                                             const Dot& dot) {
   const int64_t stride = k * 16;  // elements per packed group
+  const int64_t steps = k / kPerWord, lines = share.next != nullptr && steps > 0 ? share.end - share.begin : 0;
+  const char* next = static_cast<const char*>(share.next);
+  int64_t line_group = lines > 0 ? share.begin / steps : 0, line_step = lines > 0 ? share.begin % steps : 0, credit = 0;
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = Acc{};
   for (int64_t kk = 0; kk < k; kk += kPerWord) {
+    for (credit += lines; credit >= steps; credit -= steps) {  // lines / steps lines per k step
+      _mm_prefetch(next + (line_group * stride + line_step * kPerWord * 16) * sizeof(W), _MM_HINT_T1);
+      if (++line_step == steps) line_step = 0, ++line_group;
+    }
     __m512i b[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * stride + kk * 16), _MM_HINT_T1);
-      b[j] = _mm512_loadu_si512(w + j * stride + kk * 16);
-    }
+    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(w + j * stride + kk * 16);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       int32_t word;
@@ -275,9 +290,9 @@ __attribute__((always_inline)) static inline void store_tile(T* out, int64_t n, 
 // so the weight is packed as [groups of 16 output channels][k / 4][16][4] bytes (one 64-byte
 // load = 16 channels x 4 k) and 128 * sum_k w[n][k] is subtracted per channel at the end. A
 // tile keeps MR rows x NR groups of int32 sums in registers (24 of the 32), reading each weight
-// vector once per MR rows; a thread owns consecutive groups, and while its first tile of a
-// panel runs it prefetches the next panel into L2 (the weights stream from memory once per step
-// at decode sizes). Measured at batch 32 on 30 layers of SmolLM2's shapes (EPYC, 2 threads,
+// vector once per MR rows; a thread owns consecutive groups, and while the tiles of a panel
+// run they prefetch the next panel into L2 (the weights stream from memory once per step at
+// decode sizes). Measured at batch 32 on 30 layers of SmolLM2's shapes (EPYC, 2 threads,
 // weights cold): 11.7-13.8 ms against oneDNN's 18.3-23.4 ms with the same row quantization.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // acc + a . b per lane, in place: GCC 12's intrinsic copies every accumulator around each
@@ -298,7 +313,7 @@ struct Int8GemmArgs {
 };
 
 template <int MR, int NR, typename T>
-static void int8_tile(const Int8GemmArgs& a, int64_t row, int64_t group, T* out, const int8_t* prefetch) {
+static void int8_tile(const Int8GemmArgs& a, int64_t row, int64_t group, T* out, const PrefetchShare& prefetch) {
   __m512i acc[MR][NR];
   tile_sums<MR, NR, 4>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch, acc,
                        [](__m512i sum, __m512i x, __m512i w) { return dpbusd(sum, x, w); });
@@ -312,25 +327,28 @@ static void int8_tile(const Int8GemmArgs& a, int64_t row, int64_t group, T* out,
 
 struct Int8Tile {
   using Args = Int8GemmArgs;
+  static constexpr int kPerWord = 4;
   static const void* group_start(const Args& a, int64_t group) { return a.packed + group * a.k * 16; }
   template <int MR, int NR, typename T>
-  static void run(const Args& a, int64_t row, int64_t group, T* out, const void* prefetch) {
-    int8_tile<MR, NR>(a, row, group, out, static_cast<const int8_t*>(prefetch));
+  static void run(const Args& a, int64_t row, int64_t group, T* out, const PrefetchShare& prefetch) {
+    int8_tile<MR, NR>(a, row, group, out, prefetch);
   }
 };
 #endif
 
 #if defined(__AVX512F__)
 // Rows [0, m) against groups [group, group + NR) of 16 output channels: MR-row tiles, then the
-// remaining rows; the first tile prefetches the next panel (Tile::run's prefetch argument).
+// remaining rows; the tiles share the prefetch of the next panel's ``next_lines`` lines.
 template <typename Tile, int NR, typename T>
-static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, const void* prefetch) {
+static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, const void* next, int64_t next_lines) {
   constexpr int MR = NR == 4 ? 6 : 8;  // MR * NR accumulators + NR weight vectors + 1 broadcast <= 32
-  int64_t row = 0;
-  for (; row + MR <= a.m; row += MR, prefetch = nullptr) Tile::template run<MR, NR>(a, row, group, out, prefetch);
+  const int64_t tiles = (a.m + MR - 1) / MR;
+  int64_t row = 0, tile = 0;
+  const auto share = [&]() { return PrefetchShare{next, next_lines * tile / tiles, next_lines * (tile + 1) / tiles}; };
+  for (; row + MR <= a.m; row += MR, ++tile) Tile::template run<MR, NR>(a, row, group, out, share());
   switch (a.m - row) {
 #define KVSERVE_GEMM_TAIL(R) \
-  case R: Tile::template run<R, NR>(a, row, group, out, prefetch); break;
+  case R: Tile::template run<R, NR>(a, row, group, out, share()); break;
     KVSERVE_GEMM_TAIL(1) KVSERVE_GEMM_TAIL(2) KVSERVE_GEMM_TAIL(3) KVSERVE_GEMM_TAIL(4) KVSERVE_GEMM_TAIL(5)
     KVSERVE_GEMM_TAIL(6) KVSERVE_GEMM_TAIL(7)
 #undef KVSERVE_GEMM_TAIL
@@ -357,11 +375,12 @@ static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& pr
     for (int64_t g = thread * chunk; g < end;) {
       const int64_t nr = std::min<int64_t>(4, end - g);
       const void* next = g + nr < end ? Tile::group_start(a, g + nr) : nullptr;
+      const int64_t next_lines = std::min<int64_t>(4, end - g - nr) * (a.k / Tile::kPerWord);
       switch (nr) {
-        case 4: gemm_panel<Tile, 4>(a, g, out, next); break;
-        case 3: gemm_panel<Tile, 3>(a, g, out, next); break;
-        case 2: gemm_panel<Tile, 2>(a, g, out, next); break;
-        default: gemm_panel<Tile, 1>(a, g, out, next); break;
+        case 4: gemm_panel<Tile, 4>(a, g, out, next, next_lines); break;
+        case 3: gemm_panel<Tile, 3>(a, g, out, next, next_lines); break;
+        case 2: gemm_panel<Tile, 2>(a, g, out, next, next_lines); break;
+        default: gemm_panel<Tile, 1>(a, g, out, next, next_lines); break;
       }
       g += nr;
     }
@@ -389,11 +408,12 @@ struct Bf16GemmArgs {
 
 struct Bf16Tile {
   using Args = Bf16GemmArgs;
+  static constexpr int kPerWord = 2;
   static const void* group_start(const Args& a, int64_t group) { return a.packed + group * a.k * 16; }
   template <int MR, int NR, typename T>
-  static void run(const Args& a, int64_t row, int64_t group, T* out, const void* prefetch) {
+  static void run(const Args& a, int64_t row, int64_t group, T* out, const PrefetchShare& prefetch) {
     __m512 acc[MR][NR];
-    tile_sums<MR, NR, 2>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, static_cast<const uint16_t*>(prefetch),
+    tile_sums<MR, NR, 2>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch,
                          acc, [](__m512 sum, __m512i x, __m512i w) { return dpbf16(sum, x, w); });
     store_tile<MR, NR>(out, a.n, row, group, [&](int i, int j) {
       return a.bias != nullptr ? _mm512_add_ps(acc[i][j], _mm512_loadu_ps(a.bias + group * 16 + 16 * j)) : acc[i][j];
