@@ -3,6 +3,7 @@ same attention, and the engine gives the same tokens through either."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
+from kvserve.model import attention
 from kvserve.model.attention import (
     PREFILL_TILE,
     AttentionGroup,
@@ -88,6 +90,29 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
         layer.write(new_k, new_v, meta.write)
         outs.append(paged_attention(query, layer, meta, dim**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_calls_are_labelled_only_while_a_profiler_records() -> None:
+    """The benchmarks time attention by its kvserve:: label under torch.profiler; outside a
+    profile no label is opened (record_function costs ~7 us a call even with no profiler)."""
+    lens = torch.tensor([5, 20])
+    tables = torch.tensor([[1, 0], [2, 3]])
+    meta = AttentionMetadata(lens - 1, _write_index(lens - 1, 16, 1), [_decode_group(tables, lens, 16, 2, 1,
+                                                                                    torch.float32, False)])
+    layer = LayerKV.float_pool(torch.randn(4, 2, 16, 64))
+    query = torch.randn(2, 2, 64)
+    with torch.profiler.profile() as prof:
+        paged_attention(query, layer, meta, 0.125)
+    assert "kvserve::paged_decode_attention" in {event.key for event in prof.key_averages()}
+    opened: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "record_function", lambda name: opened.append(name) or contextlib.nullcontext())
+        paged_attention(query, layer, meta, 0.125)
+        assert opened == []
+        with torch.profiler.profile():
+            paged_attention(query, layer, meta, 0.125)
+        assert opened == ["kvserve::paged_decode_attention"]
 
 
 @needs_kernel

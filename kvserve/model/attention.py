@@ -11,6 +11,7 @@ sequence's length are masked out.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,10 +88,16 @@ def use_prefill_kernel(device_type: str, head_dim: int, dtype: torch.dtype) -> b
                    torch.ones(1, dtype=torch.long), 1, 1.0))
 
 
+def _label(name: str) -> contextlib.AbstractContextManager[object]:
+    """The op's label in profiles (kvserve::name), only while a profiler records: record_function
+    costs ~7 us a call even with none, and a decode step makes two such calls per layer."""
+    return record_function("kvserve::" + name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def _write_op(name: str, *args: object) -> object:
     kernel = cpu_op(name)
     assert kernel is not None
-    with record_function("kvserve::" + name):
+    with _label(name):
         return kernel(*args)
 
 
@@ -219,7 +226,7 @@ def _quantized_kernel(out: torch.Tensor, query: torch.Tensor, layer: LayerKV, gr
     lut = fp8_table(layer.kind) if layer.kind in FP8_TYPES else None
     # decode and prefill groups share the op; profiles name them apart
     name = "paged_attention_quantized" if group.query_len == 1 else "paged_prefill_attention_quantized"
-    with record_function("kvserve::" + name):
+    with _label(name):
         done = kernel(out, query, layer.data, KIND_CODES[layer.kind], layer.key_scales, layer.value_scales,
                       layer.v_scale, lut, layer.tail, group.tail_slots if layer.tail is not None else None,
                       group.block_tables, group.seq_lens, group.query_len, scale)
@@ -233,7 +240,7 @@ def cascade_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Te
     results stay float32 until the merge, which rounds once to the model dtype."""
     kernel = cpu_op("cascade_attention")
     assert kernel is not None, "a cascade needs the C++ kernels"
-    with record_function("kvserve::cascade_attention"):
+    with _label("cascade_attention"):
         done = kernel(out, query, kv_cache, cascade.shared_table, cascade.shared_len, cascade.suffix_tables,
                       cascade.suffix_lens, query_len, scale)
     assert done, "the prefill kernel refused a cascade's shape"
@@ -267,7 +274,7 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
             assert kernel is not None, "groups without a mask need the C++ kernels"
             args = (out[group.token_start : end], query[group.token_start : end], kv_cache, group.block_tables,
                     group.seq_lens)
-            with record_function("kvserve::" + name):
+            with _label(name):
                 if group.query_len == 1:
                     kernel(*args, scale)
                 else:

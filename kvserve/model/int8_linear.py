@@ -116,11 +116,12 @@ class Int8Linear(nn.Module):
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2  # the engine's [tokens, features]: no reshape and view (~4.5 us a call)
+        rows = x if flat else x.reshape(-1, self.in_features)
         if self._linear is not None:
             out = self._linear(rows.contiguous(), self.vnni_packed, self.vnni_comp, self.weight_scale,
                                self.out_features, self.vnni_bias)
-            return out.view(*x.shape[:-1], self.out_features)
+            return out if flat else out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
             # oneDNN: u8 activations (zero point 128) times the packed weight, scaled per output

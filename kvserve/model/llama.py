@@ -179,9 +179,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_linear is not None:
-            rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            flat = x.dim() == 2  # the engine's [tokens, features]: no reshape and view (~4.5 us a call)
+            rows = (x if flat else x.reshape(-1, self.in_features)).to(torch.bfloat16).contiguous()
             out = self._bf16_linear(rows, self.packed_weight, self.out_features, self.bias32)
-            return out.view(*x.shape[:-1], self.out_features)
+            return out if flat else out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
