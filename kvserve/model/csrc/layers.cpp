@@ -364,7 +364,8 @@ static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, cons
 template <typename Tile, typename T, typename Prologue>
 static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& prologue) {
   const int64_t groups = (a.n + 15) / 16;
-  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups));
+  // at least one thread: num_threads(0) is not valid OpenMP (a layer with no outputs still quantizes its rows)
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::clamp<int64_t>(groups, 1, at::get_num_threads()));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
