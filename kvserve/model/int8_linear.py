@@ -19,6 +19,7 @@ from torch import nn
 
 from kvserve.config import QUANTIZATION_METHODS
 from kvserve.model.cpu_kernels import cpu_op
+from kvserve.model.llama import shaped_like_input, token_rows
 
 
 def _quantize_rows_torch(x: torch.Tensor, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,12 +117,11 @@ class Int8Linear(nn.Module):
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.dim() == 2  # the engine's [tokens, features]: no reshape and view (~4.5 us a call)
-        rows = x if flat else x.reshape(-1, self.in_features)
+        rows = token_rows(x, self.in_features)
         if self._linear is not None:
             out = self._linear(rows.contiguous(), self.vnni_packed, self.vnni_comp, self.weight_scale,
                                self.out_features, self.vnni_bias)
-            return out if flat else out.view(*x.shape[:-1], self.out_features)
+            return shaped_like_input(out, x)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
             # oneDNN: u8 activations (zero point 128) times the packed weight, scaled per output
@@ -138,7 +138,7 @@ class Int8Linear(nn.Module):
             x_codes, x_scales = self._quantize(rows.contiguous(), False)
             out = (int8_matmul(x_codes, self.codes).float() * self.weight_scale).to(x.dtype)
         self._scale_(out, x_scales, None if self.bias is None else self.bias.detach())
-        return out.view(*x.shape[:-1], self.out_features)
+        return shaped_like_input(out, x)
 
 
 def quantized_bytes(model: nn.Module) -> int:

@@ -153,6 +153,17 @@ class RotaryTables(NamedTuple):
     sin: torch.Tensor
 
 
+def token_rows(x: torch.Tensor, features: int) -> torch.Tensor:
+    """A linear layer's input [..., features] as rows [tokens, features]; the engine's 2-D
+    inputs pass as they are (a reshape and the view back cost ~4.5 us of a 121-call step)."""
+    return x if x.dim() == 2 else x.reshape(-1, features)
+
+
+def shaped_like_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's result rows [tokens, out_features] in its input's leading shape."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight is pre-packed once for the CPU's GEMM. bf16 weights on CPUs
     with AVX512-BF16 and no AMX: packed for kvserve's own GEMM (the ``bf16_linear`` C++ op,
@@ -179,10 +190,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_linear is not None:
-            flat = x.dim() == 2  # the engine's [tokens, features]: no reshape and view (~4.5 us a call)
-            rows = (x if flat else x.reshape(-1, self.in_features)).to(torch.bfloat16).contiguous()
+            rows = token_rows(x, self.in_features).to(torch.bfloat16).contiguous()
             out = self._bf16_linear(rows, self.packed_weight, self.out_features, self.bias32)
-            return out if flat else out.view(*x.shape[:-1], self.out_features)
+            return shaped_like_input(out, x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
