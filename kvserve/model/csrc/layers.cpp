@@ -361,6 +361,9 @@ static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, cons
 // quantizes its activations there), waits for the others, then owns consecutive groups and goes
 // through them in panels of up to 4. One region rather than two parallel_for calls: at decode
 // sizes a layer is ~50-200 us and the second fork/join and a one-thread quantization showed.
+// Groups in the panel that starts at group g of a thread's range [.., end): up to 4 (0 past the end).
+static inline int64_t panel_groups(int64_t g, int64_t end) { return std::clamp<int64_t>(end - g, 0, 4); }
+
 template <typename Tile, typename T, typename Prologue>
 static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& prologue) {
   const int64_t groups = (a.n + 15) / 16;
@@ -374,9 +377,9 @@ static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& pr
     const int64_t chunk = (groups + team - 1) / team;
     const int64_t end = std::min(groups, (thread + 1) * chunk);
     for (int64_t g = thread * chunk; g < end;) {
-      const int64_t nr = std::min<int64_t>(4, end - g);
+      const int64_t nr = panel_groups(g, end);
       const void* next = g + nr < end ? Tile::group_start(a, g + nr) : nullptr;
-      const int64_t next_lines = std::min<int64_t>(4, end - g - nr) * (a.k / Tile::kPerWord);
+      const int64_t next_lines = panel_groups(g + nr, end) * (a.k / Tile::kPerWord);
       switch (nr) {
         case 4: gemm_panel<Tile, 4>(a, g, out, next, next_lines); break;
         case 3: gemm_panel<Tile, 3>(a, g, out, next, next_lines); break;
