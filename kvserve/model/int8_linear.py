@@ -14,6 +14,8 @@ of the batch, e.g. the first token's outliers).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -58,12 +60,36 @@ def int8_matmul(x_codes: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 PACK_BATCH_HINT = 32  # rows oneDNN tunes the packed layout for (decode batch sizes)
 
 
+def _onednn_qlinear(x_codes: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                    zero_points: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """oneDNN: u8 activations (zero point 128) times the packed weight, scaled per output channel,
+    written in out_dtype (not yet scaled per row)."""
+    return torch.ops.onednn.qlinear_pointwise(x_codes, 1.0, 128, packed, weight_scale, zero_points, None, 1.0, 0,
+                                              out_dtype, "none", [], "")
+
+
+@functools.cache
+def _onednn_sums_exact() -> bool:
+    """Whether oneDNN's u8 x s8 products sum exactly here. Without VNNI (AVX2, AVX-512 without
+    VNNI) its kernels add pairs of products in int16 with saturation (vpmaddubsw): on a Zen 3,
+    255 x 127 x 64 came back as 8,160 instead of 1,032,256, and the real model answered nonsense."""
+    codes = torch.full((16, 64), 127, dtype=torch.int8)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(codes, [PACK_BATCH_HINT, 64])
+        out = _onednn_qlinear(torch.full((1, 64), 255, dtype=torch.uint8), packed, torch.ones(16),
+                              torch.zeros(16, dtype=torch.long), torch.float32)
+    except RuntimeError:
+        return False
+    return bool((out == 127 * 127 * 64).all())
+
+
 def _onednn_pack(codes: torch.Tensor) -> torch.Tensor | None:
     """The int8 weight in oneDNN's packed layout, or None where this torch build or device has
-    no quantized oneDNN linear. Unpacked, _int_mm reorders the weight at every call: measured
-    here over 30 layers at batch 32, no faster than bf16; packed, 1.7x faster."""
+    no quantized oneDNN linear, or where its sums would saturate. Unpacked, _int_mm reorders the
+    weight at every call: measured here over 30 layers at batch 32, no faster than bf16; packed,
+    1.7x faster."""
     if codes.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
-            or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+            or not hasattr(torch.ops.onednn, "qlinear_prepack") or not _onednn_sums_exact():
         return None
     try:
         return torch.ops.onednn.qlinear_prepack(codes, [PACK_BATCH_HINT, codes.shape[1]])
@@ -89,6 +115,7 @@ class Int8Linear(nn.Module):
     packed: torch.Tensor | None  # oneDNN's packed weight (other CPUs)
     codes: torch.Tensor | None  # int8 [out, in] where neither packed form is available
     weight_scale: torch.Tensor
+    zero_points: torch.Tensor | None  # oneDNN's (zeros) where its packed weight is used
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -124,21 +151,23 @@ class Int8Linear(nn.Module):
             return shaped_like_input(out, x)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
-            # oneDNN: u8 activations (zero point 128) times the packed weight, scaled per output
-            # channel, written in the input's dtype (a float32 [m, n] result costs more to write
-            # than the GEMM at prefill sizes: 2048 x 3072, 15.5 ms vs 9.5 in bf16); each row's
-            # scale then rounds a second time
-            out = torch.ops.onednn.qlinear_pointwise(x_codes, 1.0, 128, self.packed, self.weight_scale,
-                                                     self.zero_points, None, 1.0, 0, self._out_dtype, "none", [],
-                                                     "")
+            # written in the input's dtype (a float32 [m, n] result costs more to write than the
+            # GEMM at prefill sizes: 2048 x 3072, 15.5 ms vs 9.5 in bf16); each row's scale then
+            # rounds a second time
+            assert self.zero_points is not None
+            out = _onednn_qlinear(x_codes, self.packed, self.weight_scale, self.zero_points, self._out_dtype)
             if out.dtype != x.dtype:
                 out = out.to(x.dtype)
-        else:
-            assert self.codes is not None
-            x_codes, x_scales = self._quantize(rows.contiguous(), False)
-            out = (int8_matmul(x_codes, self.codes).float() * self.weight_scale).to(x.dtype)
-        self._scale_(out, x_scales, None if self.bias is None else self.bias.detach())
-        return shaped_like_input(out, x)
+            self._scale_(out, x_scales, None if self.bias is None else self.bias.detach())
+            return shaped_like_input(out, x)
+        assert self.codes is not None
+        x_codes, x_scales = self._quantize(rows.contiguous(), False)
+        # both scales in float32, rounded once into the model dtype (as the VNNI kernel does): this
+        # is the path of CPUs without VNNI, where rounding twice in bf16 showed in greedy outputs
+        sums = int8_matmul(x_codes, self.codes).float().mul_(x_scales[:, None] * self.weight_scale)
+        if self.bias is not None:
+            sums.add_(self.bias.detach())
+        return shaped_like_input(sums.to(x.dtype), x)
 
 
 def quantized_bytes(model: nn.Module) -> int:
