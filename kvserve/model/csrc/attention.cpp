@@ -8,38 +8,33 @@
 #include "attention.h"
 #include "ops.h"
 
-// One (sequence, KV head) job, portable C++: the reference the vector path must match.
+// One (sequence, KV head) job, portable C++: the reference the vector path must match. A block's
+// rows of the head, widened to float32 in `tile` (block_size * dim; float32 pools are read in
+// place), go through score_rows / accumulate_rows; the next block's rows are prefetched.
 template <typename T>
 static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t group,
                               int64_t dim, int64_t h, int64_t kv_heads, int64_t block_size, float* probs,
-                              float* acc, float* row, float* lse) {
+                              float* acc, float* tile, float* lse) {
   const int64_t block_stride = 2 * kv_heads * block_size * dim;  // elements per block
-  std::fill(acc, acc + group * dim, 0.f);
-  // pass 1: scores; each key row is converted once and dotted with every query head
-  for (int64_t pos = 0; pos < len; ++pos) {
-    const T* kt = kv + table[pos / block_size] * block_stride + (h * block_size + pos % block_size) * dim;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(kt[d]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf + g * dim;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
-      probs[g * len + pos] = s;
-    }
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  // head j's rows of the sequence's block blk, as float32
+  auto rows = [&](int64_t j, int64_t blk, int64_t n) -> const float* {
+    const T* src = kv + table[blk] * block_stride + j * block_size * dim;
+    if (blk + 1 < num_blocks)
+      prefetch_row(kv + table[blk + 1] * block_stride + j * block_size * dim, block_size * dim * sizeof(T));
+    if constexpr (std::is_same_v<T, float>) return src;
+    to_float(src, tile, n * dim);
+    return tile;
+  };
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t n = std::min(block_size, len - blk * block_size);
+    score_rows(qf, group, dim, rows(h, blk, n), n, probs + blk * block_size, len);
   }
   softmax_rows(probs, group, len, lse);
-  // pass 2: each value row is converted once and added into every query head's output
-  for (int64_t pos = 0; pos < len; ++pos) {
-    const T* vt = kv + table[pos / block_size] * block_stride + ((kv_heads + h) * block_size + pos % block_size) * dim;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(vt[d]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = probs[g * len + pos];
-      float* ag = acc + g * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
-    }
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t n = std::min(block_size, len - blk * block_size);
+    accumulate_rows(probs + blk * block_size, len, group, dim, rows(kv_heads + h, blk, n), n, acc);
   }
 }
 #if defined(__AVX512F__)
@@ -226,9 +221,9 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64
 #if defined(__AVX512F__)
     if (job_fn != nullptr) return job_fn(qf, kv, table, len, h, kv_heads, block_size, probs, acc, lse);
 #endif
-    thread_local std::vector<float> row;
-    row.resize(dim);
-    decode_job_scalar<T>(qf, kv, table, len, group, dim, h, kv_heads, block_size, probs, acc, row.data(), lse);
+    thread_local std::vector<float> tile;
+    tile.resize(block_size * dim);
+    decode_job_scalar<T>(qf, kv, table, len, group, dim, h, kv_heads, block_size, probs, acc, tile.data(), lse);
   }, lse_out);
 }
 

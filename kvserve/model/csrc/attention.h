@@ -47,6 +47,79 @@ static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, O* 
   });
 }
 
+// The portable decode jobs' two passes over a tile of n float32 rows (dim each, consecutive):
+// keys scored against the group's queries, values added into its outputs. With AVX2 (CPUs
+// without AVX-512, where these jobs are the decode path) 8 rows' sums are reduced together and
+// the outputs held in 8 accumulators over the rows; the loops stay the reference elsewhere.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// out[j] = the sum of v[j]'s 8 lanes.
+static inline __m256 lane_sums8(const __m256 (&v)[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// acc[0, 8 * NA) += sum_t weights[t] * rows[t][0, 8 * NA) (rows dim apart), in registers.
+template <int NA>
+static inline void accumulate_dims(const float* weights, const float* rows, int64_t n, int64_t dim, float* acc) {
+  __m256 a[NA];
+  for (int i = 0; i < NA; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 p = _mm256_broadcast_ss(weights + t);
+    for (int i = 0; i < NA; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + t * dim + 8 * i), a[i]);
+  }
+  for (int i = 0; i < NA; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+#define KVSERVE_AVX2_ROWS 1
+#endif
+
+// scores[g * stride + t] = qf[g] . rows[t] for the group's query rows qf [group, dim].
+static inline void score_rows(const float* qf, int64_t group, int64_t dim, const float* rows, int64_t n,
+                              float* scores, int64_t stride) {
+  int64_t first = 0;
+#if defined(KVSERVE_AVX2_ROWS)
+  if (dim % 8 == 0)
+    for (; first + 8 <= n; first += 8)
+      for (int64_t g = 0; g < group; ++g) {
+        __m256 s[8];
+        for (int j = 0; j < 8; ++j) s[j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < dim; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(qf + g * dim + c);
+          for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows + (first + j) * dim + c), qc, s[j]);
+        }
+        _mm256_storeu_ps(scores + g * stride + first, lane_sums8(s));
+      }
+#endif
+  for (int64_t t = first; t < n; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * rows[t * dim + d];
+      scores[g * stride + t] = s;
+    }
+}
+
+// acc[g] += sum_t weights[g * stride + t] * rows[t] for the group's outputs acc [group, dim].
+static inline void accumulate_rows(const float* weights, int64_t stride, int64_t group, int64_t dim,
+                                   const float* rows, int64_t n, float* acc) {
+#if defined(KVSERVE_AVX2_ROWS)
+  if (dim % 8 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      int64_t c = 0;
+      for (; c + 64 <= dim; c += 64) accumulate_dims<8>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+      for (; c < dim; c += 8) accumulate_dims<1>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = weights[g * stride + t];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * rows[t * dim + d];
+    }
+}
+
 #if defined(__AVX512F__)
 // Prefill attention for RB query rows of one (sequence, KV head): scores against 16 keys at a
 // time from the transposed float32 keys (a broadcast query value times a row of 16 keys, so no

@@ -817,30 +817,20 @@ static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query) {
 }
 #endif
 
-// The portable job over a quantized pool (the reference for the vector one).
+// The portable job over a quantized pool (the reference for the vector one): each block
+// dequantized into a float32 tile, then the float path's score_rows / accumulate_rows.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
   const int64_t bs = pool.block_size, dim = pool.dim, num_blocks = (len + bs - 1) / bs;
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t n = pool.tile(table, blk, len, tail_slot, h, tile);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * tile[t * dim + d];
-        probs[g * len + blk * bs + t] = s;
-      }
+    score_rows(qf, group, dim, tile, n, probs + blk * bs, len);
   }
   softmax_rows(probs, group, len);
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t n = pool.tile(table, blk, len, tail_slot, pool.kv_heads + h, tile);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = probs[g * len + blk * bs + t];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * tile[t * dim + d];
-      }
+    accumulate_rows(probs + blk * bs, len, group, dim, tile, n, acc);
   }
 }
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <unistd.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__)
@@ -39,6 +39,26 @@ static inline __m512 exp16(__m512 x) {
 static inline __mmask16 tail_mask(int64_t remaining) {
   if (remaining <= 0) return 0;
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp16's method for 8 lanes (CPUs without AVX-512): 2^n built in the exponent bits, so x is
+// clamped to [-87, 88.5] (n within the normal range; e^88.5 is near float's largest).
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.5f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif
 
@@ -70,16 +90,40 @@ static inline void softmax_rows(float* scores, int64_t rows, int64_t len, float*
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t pos = 0; pos < len; ++pos) mx = std::max(mx, pg[pos]);
     float sum = 0.f;
-    for (int64_t pos = 0; pos < len; ++pos) {
+    int64_t pos = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    // vector exp: glibc's scalar expf per score was most of an AVX2 decode step's attention
+    __m256 vsum = _mm256_setzero_ps();
+    for (; pos + 8 <= len; pos += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + pos), _mm256_set1_ps(mx)));
+      vsum = _mm256_add_ps(vsum, e);
+      _mm256_storeu_ps(pg + pos, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vsum);
+    for (float lane : lanes) sum += lane;
+#endif
+    for (; pos < len; ++pos) {
       pg[pos] = std::exp(pg[pos] - mx);
       sum += pg[pos];
     }
     if (lse != nullptr) lse[g] = mx + std::log(sum);
     const float inv = 1.f / sum;
-    for (int64_t pos = 0; pos < len; ++pos) pg[pos] *= inv;
+    for (int64_t p = 0; p < len; ++p) pg[p] *= inv;
 #endif
   }
 }
+// Into L2 (nothing off x86-64). asm, not _mm_prefetch: GCC 12 deleted _mm_prefetch loops in
+// some inlining shapes.
+static inline void prefetch_row(const void* p, int64_t bytes) {
+#if defined(__x86_64__)
+  for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(static_cast<const char*>(p)[off]));
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 #if defined(__AVX512F__)
 // 16 lanes of T widened to float32. bf16 -> f32 is a 16-bit shift, exact.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -91,10 +135,6 @@ static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Into L2. asm, not _mm_prefetch: GCC 12 deleted _mm_prefetch loops in some inlining shapes.
-static inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(static_cast<const char*>(p)[off]));
-}
 
 // Whether the first KV head's decode job should pull each next block of a sequence (all heads)
 // into L2 for the other heads' jobs, which run next on the same thread: only while the
@@ -180,6 +220,20 @@ static inline void to_float(const T* src, float* dst, int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>)
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#elif defined(__AVX2__)
+  // 8 at a time (CPUs without AVX-512): bf16 by a 16-bit shift, float16 by F16C where present
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+    }
+  }
+#if defined(__F16C__)
+  else if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
