@@ -163,7 +163,7 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 
 #if defined(__AVX512BF16__)
 constexpr float kSoftmaxSlack = 12.f;  // log2 units: a flash kernel's unnormalized weights stay below 2^12
-constexpr float kLog2e = 1.44269504f;  // scaled scores to the flash kernels' log2 units
+// the flash kernels score in log2 units: scores scaled by kLog2e (common.h)
 
 // A flash kernel row's log-sum-exp (natural log, of the scaled scores) from its maximum in use
 // (log2 units) and its sum of weights 2^(score - maximum).

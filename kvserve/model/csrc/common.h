@@ -16,22 +16,20 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// exp's method (exp16, exp8): 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 split hi/lo
+// (Cody-Waite), e^r by its degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7),
+// evaluated by Horner from 1/720 through these coefficients.
+static constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-06f;
+static constexpr float kExpTaylor[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
 #if defined(__AVX512F__)
-// exp for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 split hi/lo (Cody-Waite),
-// e^r by its degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7). Below -87 the
-// result flushes to 0; above ~88.7 it is +inf.
+// exp for 16 lanes. Below -87 the result flushes to 0; above ~88.7 it is +inf.
 static inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x));
   __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  for (const float c : kExpTaylor) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -43,20 +41,14 @@ static inline __mmask16 tail_mask(int64_t remaining) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// exp16's method for 8 lanes (CPUs without AVX-512): 2^n built in the exponent bits, so x is
-// clamped to [-87, 88.5] (n within the normal range; e^88.5 is near float's largest).
+// exp for 8 lanes (CPUs without AVX-512): 2^n built in the exponent bits, so x is clamped to
+// [-87, 88.5] (n within the normal range; e^88.5 is near float's largest).
 static inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.5f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x));
   __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  for (const float c : kExpTaylor) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
