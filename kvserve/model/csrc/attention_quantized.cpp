@@ -81,10 +81,20 @@ struct QuantPool {
     }
   }
 
-  // Rows [0, n) of head j (K heads 0..kv_heads-1, then V heads) of pool block `block` -> dst [n, dim].
-  void block_rows(int64_t block, int64_t j, int64_t n, float* dst) const {
+  // Rows [0, n) of head j of pool block `block`, unscaled (decode_row) -> dst [n, dim].
+  void code_rows(int64_t block, int64_t j, int64_t n, float* dst) const {
     const uint8_t* rows = data + block * block_bytes() + j * block_size * row_bytes;
     for (int64_t t = 0; t < n; ++t) decode_row(rows + t * row_bytes, dst + t * dim);
+  }
+
+  // The scale of value row t of KV head h in pool block `block` (int8, fp8: one group).
+  float value_scale(int64_t block, int64_t h, int64_t t) const {
+    return value_scales == nullptr ? v_scale : value_scales[(block * kv_heads + h) * block_size + t];
+  }
+
+  // Rows [0, n) of head j (K heads 0..kv_heads-1, then V heads) of pool block `block` -> dst [n, dim].
+  void block_rows(int64_t block, int64_t j, int64_t n, float* dst) const {
+    code_rows(block, j, n, dst);
     if (kind == kI4) return affine_rows(block, j, n, dst);
     if (j < kv_heads) {
       if (key_scales == nullptr) return;
@@ -835,22 +845,54 @@ static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query) {
 #endif
 
 // The portable job over a quantized pool (the reference for the vector one): each block
-// dequantized into a float32 tile, then the float path's score_rows / accumulate_rows; the key
-// pass prefetches the next block's key rows and this block's value rows (as the float job does).
+// decoded into a float32 tile, then the float path's score_rows / accumulate_rows. int8 and fp8
+// blocks stay unscaled in the tile, as in the vector job: the key scales are folded into the
+// queries (per block where they are per block) and each value's scale into its weights (a
+// separate scaling pass over the tile was a third of this job's time on a Zen 3); int4 blocks,
+// float kinds and a tail block are dequantized whole. The key pass prefetches the next block's
+// key rows and this block's value rows.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
-  const int64_t bs = pool.block_size, dim = pool.dim, num_blocks = (len + bs - 1) / bs;
+  const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
+  const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2;
+  auto whole = [&](int64_t blk) { return !codes || (pool.tail != nullptr && len - blk * bs < bs); };
+  thread_local std::vector<float> scaled, weights;
+  scaled.resize(group * dim);
+  weights.resize(group * bs);
+  auto scale_queries = [&](const float* key_scales) {
+    for (int64_t g = 0; g < group; ++g)
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) scaled[g * dim + d] = qf[g * dim + d] * key_scales[d];
+  };
+  if (codes && pool.key_scales != nullptr && !pool.key_per_block) scale_queries(pool.key_scales + h * dim);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, (blk + 1) * bs), bs * pool.row_bytes);
-    prefetch_row(pool.row_at(table, pool.kv_heads + h, blk * bs), bs * pool.row_bytes);
-    const int64_t n = pool.tile(table, blk, len, tail_slot, h, tile);
-    score_rows(qf, group, dim, tile, n, probs + blk * bs, len);
+    prefetch_row(pool.row_at(table, kv_heads + h, blk * bs), bs * pool.row_bytes);
+    const int64_t n = std::min(bs, len - blk * bs);
+    if (whole(blk)) {
+      pool.tile(table, blk, len, tail_slot, h, tile);
+      score_rows(qf, group, dim, tile, n, probs + blk * bs, len);
+      continue;
+    }
+    if (pool.key_scales != nullptr && pool.key_per_block) scale_queries(pool.key_scales + (table[blk] * kv_heads + h) * dim);
+    pool.code_rows(table[blk], h, n, tile);
+    score_rows(pool.key_scales != nullptr ? scaled.data() : qf, group, dim, tile, n, probs + blk * bs, len);
   }
   softmax_rows(probs, group, len);
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t n = pool.tile(table, blk, len, tail_slot, pool.kv_heads + h, tile);
-    accumulate_rows(probs + blk * bs, len, group, dim, tile, n, acc);
+    const int64_t n = std::min(bs, len - blk * bs);
+    if (whole(blk)) {
+      pool.tile(table, blk, len, tail_slot, kv_heads + h, tile);
+      accumulate_rows(probs + blk * bs, len, group, dim, tile, n, acc);
+      continue;
+    }
+    pool.code_rows(table[blk], kv_heads + h, n, tile);
+    for (int64_t t = 0; t < n; ++t) {
+      const float vs = pool.value_scale(table[blk], h, t);
+      for (int64_t g = 0; g < group; ++g) weights[g * bs + t] = probs[g * len + blk * bs + t] * vs;
+    }
+    accumulate_rows(weights.data(), bs, group, dim, tile, n, acc);
   }
 }
 
