@@ -11,7 +11,9 @@
 // One (sequence, KV head) job, portable C++: the reference the vector path must match. A block's
 // rows of the head, widened to float32 in `tile` (block_size * dim; float32 pools are read in
 // place), go through score_rows / accumulate_rows. Blocks are scattered, so the next block's rows
-// are prefetched, and the key pass prefetches each block's value rows for the value pass.
+// are prefetched, and the key pass prefetches each block's value rows for the value pass: 2 KB of
+// each, enough to start the hardware prefetcher within a block (whole 16 KB blocks measured 6%
+// slower at 128-token blocks; none at all, 25% slower at 16).
 template <typename T>
 static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t group,
                               int64_t dim, int64_t h, int64_t kv_heads, int64_t block_size, float* probs,
@@ -21,9 +23,9 @@ static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table
   // head j's rows of the sequence's block blk, as float32
   auto rows = [&](int64_t j, int64_t blk, int64_t n) -> const float* {
     const T* src = kv + table[blk] * block_stride + j * block_size * dim;
-    const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
+    const int64_t bytes = std::min<int64_t>(2048, block_size * dim * static_cast<int64_t>(sizeof(T)));
     if (blk + 1 < num_blocks) prefetch_row(kv + table[blk + 1] * block_stride + j * block_size * dim, bytes);
-    if (j == h) prefetch_row(src + kv_heads * block_size * dim, n * dim * sizeof(T));
+    if (j == h) prefetch_row(src + kv_heads * block_size * dim, bytes);
     if constexpr (std::is_same_v<T, float>) return src;
     to_float(src, tile, n * dim);
     return tile;

@@ -849,8 +849,8 @@ static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query) {
 // blocks stay unscaled in the tile, as in the vector job: the key scales are folded into the
 // queries (per block where they are per block) and each value's scale into its weights (a
 // separate scaling pass over the tile was a third of this job's time on a Zen 3); int4 blocks,
-// float kinds and a tail block are dequantized whole. The key pass prefetches the next block's
-// key rows and this block's value rows.
+// float kinds and a tail block are dequantized whole. The key pass prefetches the start of the
+// next block's key rows and of this block's value rows.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
@@ -866,8 +866,9 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
   };
   if (codes && pool.key_scales != nullptr && !pool.key_per_block) scale_queries(pool.key_scales + h * dim);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, (blk + 1) * bs), bs * pool.row_bytes);
-    prefetch_row(pool.row_at(table, kv_heads + h, blk * bs), bs * pool.row_bytes);
+    const int64_t bytes = std::min<int64_t>(2048, bs * pool.row_bytes);  // as the float job (attention.cpp)
+    if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, (blk + 1) * bs), bytes);
+    prefetch_row(pool.row_at(table, kv_heads + h, blk * bs), bytes);
     const int64_t n = std::min(bs, len - blk * bs);
     if (whole(blk)) {
       pool.tile(table, blk, len, tail_slot, h, tile);
