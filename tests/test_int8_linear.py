@@ -135,6 +135,16 @@ def test_quantize_linears_swaps_all_but_the_skipped() -> None:
         quantize_linears(model, "int4")
 
 
+def test_the_slow_int8_fallback_is_announced(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Without the VNNI kernel or an exact oneDNN path (AVX2 CPUs) the layers run on torch's
+    reference int8 matmul: correct but far slower than the float model, and the log says so."""
+    monkeypatch.setattr(int8_linear, "_vnni_pack", lambda codes, scales: None)
+    monkeypatch.setattr(int8_linear, "_onednn_pack", lambda codes: None)
+    with caplog.at_level("WARNING", logger="kvserve"):
+        quantize_linears(nn.Sequential(nn.Linear(16, 32)), "int8")
+    assert "no exact fast int8 GEMM" in caplog.text
+
+
 def test_bad_quantization_is_named() -> None:
     with pytest.raises(ConfigError, match=r"quantization must be one of int8 .* got 'fp4'"):
         EngineConfig(quantization="fp4")
