@@ -87,7 +87,12 @@ struct QuantPool {
     for (int64_t t = 0; t < n; ++t) decode_row(rows + t * row_bytes, dst + t * dim);
   }
 
-  // The scale of value row t of KV head h in pool block `block` (int8, fp8: one group).
+  // The per-channel key scales [dim] of KV head h in pool block `block` (static or per block); keys with scales only.
+  const float* key_scale_row(int64_t block, int64_t h) const {
+    return key_scales + ((key_per_block ? block * kv_heads : 0) + h) * dim;
+  }
+
+  // The scale of value row t of KV head h in pool block `block` (all but int4: one group).
   float value_scale(int64_t block, int64_t h, int64_t t) const {
     return value_scales == nullptr ? v_scale : value_scales[(block * kv_heads + h) * block_size + t];
   }
@@ -98,7 +103,7 @@ struct QuantPool {
     if (kind == kI4) return affine_rows(block, j, n, dst);
     if (j < kv_heads) {
       if (key_scales == nullptr) return;
-      const float* ks = key_scales + ((key_per_block ? block * kv_heads : 0) + j) * dim;
+      const float* ks = key_scale_row(block, j);
       for (int64_t t = 0; t < n; ++t) {
         float* row = dst + t * dim;
 #pragma omp simd
@@ -106,15 +111,11 @@ struct QuantPool {
       }
       return;
     }
-    const int64_t width = dim / groups;
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = 0; t < n; ++t) {  // one value scale per token (groups are int4's)
       float* row = dst + t * dim;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float vs = value_scales == nullptr
-            ? v_scale : value_scales[((block * kv_heads + j - kv_heads) * block_size + t) * groups + g];
+      const float vs = value_scale(block, j - kv_heads, t);
 #pragma omp simd
-        for (int64_t d = g * width; d < (g + 1) * width; ++d) row[d] *= vs;
-      }
+      for (int64_t d = 0; d < dim; ++d) row[d] *= vs;
     }
   }
 
@@ -864,7 +865,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) scaled[g * dim + d] = qf[g * dim + d] * key_scales[d];
   };
-  if (codes && pool.key_scales != nullptr && !pool.key_per_block) scale_queries(pool.key_scales + h * dim);
+  if (codes && pool.key_scales != nullptr && !pool.key_per_block) scale_queries(pool.key_scale_row(0, h));
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t bytes = std::min<int64_t>(2048, bs * pool.row_bytes);  // as the float job (attention.cpp)
     if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, (blk + 1) * bs), bytes);
@@ -875,7 +876,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       score_rows(qf, group, dim, tile, n, probs + blk * bs, len);
       continue;
     }
-    if (pool.key_scales != nullptr && pool.key_per_block) scale_queries(pool.key_scales + (table[blk] * kv_heads + h) * dim);
+    if (pool.key_scales != nullptr && pool.key_per_block) scale_queries(pool.key_scale_row(table[blk], h));
     pool.code_rows(table[blk], h, n, tile);
     score_rows(pool.key_scales != nullptr ? scaled.data() : qf, group, dim, tile, n, probs + blk * bs, len);
   }
