@@ -1,4 +1,4 @@
-"""``--quantization int8`` (W8A8 linear layers) against the bf16 model (issue 19, target 4).
+"""``--quantization int8`` (W8A8 linear layers) against the bf16 (or ``--dtype float32``) model (issue 19, target 4).
 
     python benchmarks/int8_weights.py --out docs/results/int8_weights.json
 
@@ -47,14 +47,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the model dtype of both variants (float32 where bf16 is emulated: no AVX-512)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     batches = [int(b) for b in args.batches.split(",")]
-    variants: dict[str, str | None] = {"bf16": None, "int8": "int8"}
+    dtype = getattr(torch, args.dtype)
+    variants: dict[str, str | None] = {"bf16" if dtype == torch.bfloat16 else "fp32": None, "int8": "int8"}
     engines, weight_bytes = {}, {}
     for name, quantization in variants.items():
-        loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16, quantization)
+        loaded = load_model("smollm2-135m", torch.device("cpu"), dtype, quantization)
         engines[name] = LLM(loaded=loaded, quantization=quantization, kv_cache_memory="2GiB", max_num_seqs=64,
                             max_num_batched_tokens=2048, max_model_len=2048, enable_prefix_caching=False)
         weight_bytes[name] = loaded.weight_bytes

@@ -47,9 +47,10 @@ def test_quantize_rows_kernel_matches_torch(dtype: torch.dtype, offset: bool) ->
     assert ((signed.float() * scales[:, None] - x.float()).abs() <= scales[:, None] / 2 * 1.0001).all()
 
 
-def _reference(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """float64 of (x_codes @ codes.T) * x_scales * weight_scales + bias from the same codes."""
-    codes, weight_scales = quantize_rows(linear.weight.detach())
+def _reference(linear: nn.Linear, x: torch.Tensor, weight_max: int = 127) -> torch.Tensor:
+    """float64 of (x_codes @ codes.T) * x_scales * weight_scales + bias from the same codes
+    (weight codes in +-weight_max)."""
+    codes, weight_scales = quantize_rows(linear.weight.detach(), max_code=weight_max)
     x_codes, x_scales = quantize_rows(x.reshape(-1, x.shape[-1]))
     out = (x_codes.double() @ codes.double().t()) * x_scales.double()[:, None] * weight_scales.double()
     if linear.bias is not None:
@@ -63,35 +64,40 @@ def _vnni_available() -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("path", ["vnni", "onednn", "fallback"])
+@pytest.mark.parametrize("path", ["vnni", "onednn", "onednn7", "fallback"])
 @pytest.mark.parametrize("out_features", [72, 144])
 def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool, path: str, out_features: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C++ VNNI kernel, the oneDNN path (packed weight) and the fallback (_int_mm or float
-    sums, torch ops) all compute the int8 product exactly and round only at the end; and W8A8
-    stays within ~2% of the float layer. 72 outputs: a partial group of 16 channels; 144: nine
-    groups, so each of two threads runs a 4-group panel and a narrower one; 40 rows: 6-row tiles
-    and a tail."""
+    """The C++ VNNI kernel, the oneDNN path (packed weight; 8-bit weight codes, or 7-bit ones
+    where its 8-bit sums saturate) and the fallback (_int_mm or float sums, torch ops) all compute
+    the int8 product exactly and round only at the end; and each stays within ~2% of the float
+    layer. 72 outputs: a partial group of 16 channels; 144: nine groups, so each of two threads
+    runs a 4-group panel and a narrower one; 40 rows: 6-row tiles and a tail."""
     if path == "vnni" and not _vnni_available():
         pytest.skip("no AVX512-VNNI kernel on this CPU")
-    if path == "onednn" and int8_linear._onednn_pack(torch.ones(8, 8, dtype=torch.int8)) is None:
-        pytest.skip("no exact quantized oneDNN linear here (not in this torch build, or its sums saturate: no VNNI)")
+    if path == "onednn" and int8_linear._onednn_weight_max() != 127:
+        pytest.skip("no exact 8-bit quantized oneDNN linear here (not in this torch build, or its sums saturate)")
+    if path == "onednn7" and int8_linear._onednn_weight_max() is None:
+        pytest.skip("no quantized oneDNN linear in this torch build")
     if path != "vnni":
         monkeypatch.setattr(int8_linear, "_vnni_pack", lambda codes, scales: None)
+    if path == "onednn7":
+        monkeypatch.setattr(int8_linear, "_onednn_weight_max", lambda: 63)
     if path == "fallback":
-        monkeypatch.setattr(int8_linear, "_onednn_pack", lambda codes: None)
+        monkeypatch.setattr(int8_linear, "_onednn_weight_max", lambda: None)
     torch.manual_seed(0)
     linear = nn.Linear(96, out_features, bias=bias).to(dtype)
     layer = Int8Linear(linear)
-    assert (layer.vnni_packed is not None) == (path == "vnni") and (layer.packed is not None) == (path == "onednn")
-    assert (layer.codes is not None) == (path == "fallback")
+    assert (layer.vnni_packed is not None) == (path == "vnni")
+    assert (layer.packed is not None) == path.startswith("onednn") and (layer.codes is not None) == (path == "fallback")
+    assert layer.weight_max == (63 if path == "onednn7" else 127)
     for m in (2, 7, 40):  # row 0 is all zeros
         x = _rows(dtype, m, 96).view(1, m, 96)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (1, m, out_features)
-        ref = _reference(linear, x)
+        ref = _reference(linear, x, layer.weight_max)
         # rounding of the largest output: the VNNI kernel and the fallback round once, oneDNN's path twice
-        tol = ROUNDING[dtype] / (1 if path == "onednn" else 2) * ref.abs().amax(dim=-1, keepdim=True)
+        tol = ROUNDING[dtype] / (1 if path.startswith("onednn") else 2) * ref.abs().amax(dim=-1, keepdim=True)
         assert ((out.double() - ref).abs() <= tol + 1e-6).all(), (m, (out.double() - ref).abs().max())
         float_out = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None
                                          else linear.bias.float())
@@ -137,10 +143,11 @@ def test_quantize_linears_swaps_all_but_the_skipped() -> None:
 
 
 def test_the_slow_int8_fallback_is_announced(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Without the VNNI kernel or an exact oneDNN path (AVX2 CPUs) the layers run on torch's
-    reference int8 matmul: correct but far slower than the float model, and the log says so."""
+    """Without the VNNI kernel or oneDNN's quantized linear (another torch build) the layers run
+    on torch's reference int8 matmul: correct but far slower than the float model, and the log
+    says so."""
     monkeypatch.setattr(int8_linear, "_vnni_pack", lambda codes, scales: None)
-    monkeypatch.setattr(int8_linear, "_onednn_pack", lambda codes: None)
+    monkeypatch.setattr(int8_linear, "_onednn_weight_max", lambda: None)
     logger = logging.getLogger("kvserve")  # once an LLM is built it does not propagate to caplog's root
     logger.addHandler(caplog.handler)
     try:

@@ -16,7 +16,7 @@ from kvserve.cache.kv_format import KVLayout, kv_block_bytes
 from kvserve.cache.kv_scales import KVScales
 from kvserve.cli import main
 from kvserve.config import ConfigError
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.engine import LoadedModel, load_model
 from kvserve.quant.calibrate import calibrate, check
 from kvserve.quant.data import python_reference, stdlib_docstrings
 from kvserve.quant.evaluate import evaluate, parse_variants
@@ -109,6 +109,18 @@ def test_eval_chunk_1_scores_each_token_in_a_decode_step(smollm: LoadedModel,
     assert decode[1].ppl != pytest.approx(prefill[1].ppl, rel=1e-3)
     assert decode[1].ppl == pytest.approx(decode[0].ppl, rel=0.1)
     assert main(["eval", "--chunk", "0"]) == 2 and "--chunk must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_eval_runs_a_bf16_model(smollm: LoadedModel) -> None:
+    """eval's logits come from the runner's inference tensors: with a bf16 model and a plain
+    nn.Linear LM head (CPUs without AVX512-BF16) they once failed in autograd ("Inference
+    tensors cannot be saved for backward"). Its perplexity is the float32 model's, near enough."""
+    assert smollm.tokenizer is not None
+    tokens = list(smollm.tokenizer.encode(" ".join(stdlib_docstrings()[:4])))[:41]
+    bf16 = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    ppl = [evaluate(loaded, "smollm2-135m", tokens, parse_variants("auto"), context=41, chunk=41, kv_scales=None,
+                    kv_cache_memory="64MiB", block_size=16, progress=False)[0].ppl for loaded in (bf16, smollm)]
+    assert ppl[0] == pytest.approx(ppl[1], rel=0.05)
 
 
 def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file: Path,

@@ -7,7 +7,9 @@ x @ weight.T ~ (x_codes @ codes.T) * x_scale[t] * weight_scale[n]: one int8 GEMM
 (VNNI dot products: four multiply-adds per 32-bit lane where AVX512-BF16 does two), then one
 rescale. On CPUs with AVX512-VNNI the whole layer is one C++ call (``int8_linear`` in
 csrc/layers.cpp, on a weight packed once for it); on other CPUs oneDNN's quantized linear does
-the GEMM on its own packed weight; elsewhere torch's int8 matmul. Per-token
+the GEMM on its own packed weight; elsewhere torch's int8 matmul. Without VNNI (AVX2) oneDNN
+adds pairs of u8 x s8 products in int16 with saturation, so there the weight codes are 7-bit
+(+-63: 2 x 255 x 63 < 2**15) and the sums stay exact (``_onednn_weight_max``). Per-token
 activation scales follow each token's own range (a per-tensor scale is set by the largest token
 of the batch, e.g. the first token's outliers).
 """
@@ -27,10 +29,10 @@ from kvserve.model.llama import shaped_like_input, token_rows
 logger = logging.getLogger("kvserve")
 
 
-def _quantize_rows_torch(x: torch.Tensor, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows_torch(x: torch.Tensor, offset: bool, max_code: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.float().abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    codes = torch.round(x.float() / scales[:, None]).clamp_(-127, 127)
+    scales = torch.where(amax > 0, amax / max_code, torch.ones_like(amax))
+    codes = torch.round(x.float() / scales[:, None]).clamp_(-max_code, max_code)
     return (codes + 128).to(torch.uint8) if offset else codes.to(torch.int8), scales
 
 
@@ -40,13 +42,13 @@ def _scale_rows_torch_(x: torch.Tensor, row_scales: torch.Tensor, bias: torch.Te
         x.add_(bias)
 
 
-def quantize_rows(x: torch.Tensor, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, offset: bool = False, max_code: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] -> (codes, float32 scales [rows]) with x ~ codes * scales[:, None]; codes
-    int8, or with ``offset`` uint8 holding code + 128 (oneDNN's activations, zero point 128).
-    C++ on CPU (one pass, AVX-512), torch ops elsewhere."""
-    op = cpu_op("quantize_rows_int8") if x.device.type == "cpu" else None
+    int8 in +-max_code, or with ``offset`` uint8 holding code + 128 (oneDNN's activations, zero
+    point 128). C++ on CPU for the full range (one pass, AVX-512 or AVX2), torch ops elsewhere."""
+    op = cpu_op("quantize_rows_int8") if x.device.type == "cpu" and max_code == 127 else None
     if op is None:
-        return _quantize_rows_torch(x, offset)
+        return _quantize_rows_torch(x, offset, max_code)
     codes, scales = op(x.contiguous(), offset)
     return codes, scales
 
@@ -71,33 +73,51 @@ def _onednn_qlinear(x_codes: torch.Tensor, packed: torch.Tensor, weight_scale: t
                                               out_dtype, "none", [], "")
 
 
-@functools.cache
-def _onednn_sums_exact() -> bool:
-    """Whether oneDNN's u8 x s8 products sum exactly here. Without VNNI (AVX2, AVX-512 without
-    VNNI) its kernels add pairs of products in int16 with saturation (vpmaddubsw): on a Zen 3,
-    255 x 127 x 64 came back as 8,160 instead of 1,032,256, and the real model answered nonsense."""
-    codes = torch.full((16, 64), 127, dtype=torch.int8)
+def _onednn_sums_exact(weight_max: int) -> bool:
+    """Whether oneDNN's u8 x s8 products sum exactly with weight codes in +-weight_max and
+    activations over the full u8 range. Without VNNI (AVX2, AVX-512 without VNNI) its kernels add
+    pairs of products in int16 with saturation (vpmaddubsw): on a Zen 3, 255 x 127 x 64 came back
+    as 8,160 instead of 1,032,256, and the real model answered nonsense."""
+    codes = torch.full((16, 64), weight_max, dtype=torch.int8)
     try:
         packed = torch.ops.onednn.qlinear_prepack(codes, [PACK_BATCH_HINT, 64])
         out = _onednn_qlinear(torch.full((1, 64), 255, dtype=torch.uint8), packed, torch.ones(16),
                               torch.zeros(16, dtype=torch.long), torch.float32)
     except RuntimeError:
         return False
-    return bool((out == 127 * 127 * 64).all())
+    return bool((out == weight_max * 127 * 64).all())
+
+
+@functools.cache
+def _onednn_weight_max() -> int | None:
+    """The widest weight code range (+-127, else the 7-bit +-63) whose sums oneDNN's quantized
+    linear computes exactly on this CPU, or None where this torch build has none (or neither is
+    exact). 7-bit weights measured +1.1% PPL over 8-bit ones (float32 SmolLM2, ``kvserve eval``:
+    11.692 -> 11.821); 7-bit activations +6.9%, so it is the weights that lose the bit."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None
+    return next((weight_max for weight_max in (127, 63) if _onednn_sums_exact(weight_max)), None)
 
 
 def _onednn_pack(codes: torch.Tensor) -> torch.Tensor | None:
-    """The int8 weight in oneDNN's packed layout, or None where this torch build or device has
-    no quantized oneDNN linear, or where its sums would saturate. Unpacked, _int_mm reorders the
-    weight at every call: measured here over 30 layers at batch 32, no faster than bf16; packed,
-    1.7x faster."""
-    if codes.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
-            or not hasattr(torch.ops.onednn, "qlinear_prepack") or not _onednn_sums_exact():
-        return None
+    """The int8 weight (codes within ``_onednn_weight_max``) in oneDNN's packed layout, or None
+    where oneDNN cannot take it. Unpacked, _int_mm reorders the weight at every call: measured
+    here over 30 layers at batch 32, no faster than bf16; packed, 1.7x faster."""
     try:
         return torch.ops.onednn.qlinear_prepack(codes, [PACK_BATCH_HINT, codes.shape[1]])
     except RuntimeError:
         return None
+
+
+def _onednn_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype oneDNN's quantized linear writes for a model in ``dtype``. bf16 where the CPU has
+    AVX-512 (a float32 [m, n] result costs more to write than the GEMM at prefill sizes: 2048 x
+    3072, 15.5 ms vs 9.5 in bf16; each row's scale then rounds a second time); float32 elsewhere:
+    on an AVX2 Zen 3 oneDNN wrote bf16 through a reference loop, 2.3 s per 32 x 576 -> 3,072 call
+    against 1.4 ms for float32."""
+    if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return dtype
+    return torch.float32
 
 
 def _vnni_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -123,24 +143,28 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scales = quantize_rows(linear.weight.detach())
-        on_cpu = codes.device.type == "cpu"
+        weight = linear.weight.detach()
+        on_cpu = weight.device.type == "cpu"
+        codes, scales = quantize_rows(weight)
         vnni = _vnni_pack(codes, scales) if on_cpu else None
+        onednn_max = _onednn_weight_max() if on_cpu and vnni is None else None
+        self.weight_max = 127 if onednn_max is None else onednn_max  # the weight codes' range
+        if self.weight_max != 127:
+            codes, scales = quantize_rows(weight, max_code=self.weight_max)
         # the VNNI kernel's padded weight scales replace the per-channel ones it would not use
         self.register_buffer("vnni_packed", None if vnni is None else vnni[0])
         self.register_buffer("vnni_comp", None if vnni is None else vnni[1])
         # its bias in float32, padded like the scales: once here rather than at every call
         self.register_buffer("vnni_bias", None if vnni is None or linear.bias is None else
                              nn.functional.pad(linear.bias.detach().float(), (0, vnni[2].numel() - self.out_features)))
-        packed = _onednn_pack(codes) if vnni is None else None
+        packed = _onednn_pack(codes) if onednn_max is not None else None
         self.register_buffer("codes", codes if vnni is None and packed is None else None)
         self.register_buffer("packed", packed)
         self.register_buffer("weight_scale", scales if vnni is None else vnni[2])
         self.register_buffer("zero_points", None if packed is None else
                              torch.zeros(self.out_features, dtype=torch.long, device=codes.device))
         self.bias = linear.bias
-        dtype = linear.weight.dtype
-        self._out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # oneDNN's outputs
+        self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
         self._linear = cpu_op("int8_linear") if vnni is not None else None
         self._quantize = (cpu_op("quantize_rows_int8") if on_cpu else None) or _quantize_rows_torch
@@ -154,15 +178,10 @@ class Int8Linear(nn.Module):
             return shaped_like_input(out, x)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
-            # written in the input's dtype (a float32 [m, n] result costs more to write than the
-            # GEMM at prefill sizes: 2048 x 3072, 15.5 ms vs 9.5 in bf16); each row's scale then
-            # rounds a second time
             assert self.zero_points is not None
             out = _onednn_qlinear(x_codes, self.packed, self.weight_scale, self.zero_points, self._out_dtype)
-            if out.dtype != x.dtype:
-                out = out.to(x.dtype)
-            self._scale_(out, x_scales, None if self.bias is None else self.bias.detach())
-            return shaped_like_input(out, x)
+            self._scale_(out, x_scales, None if self.bias is None else self.bias.detach().to(out.dtype))
+            return shaped_like_input(out if out.dtype == x.dtype else out.to(x.dtype), x)
         assert self.codes is not None
         x_codes, x_scales = self._quantize(rows.contiguous(), False)
         # both scales in float32, rounded once into the model dtype (as the VNNI kernel does): this
@@ -190,7 +209,7 @@ def quantize_linears(model: nn.Module, method: str, skip: tuple[nn.Module, ...] 
     for (parent, name, _), layer in zip(swaps, layers, strict=True):
         setattr(parent, name, layer)
     if any(layer.codes is not None and layer.codes.device.type == "cpu" for layer in layers):
-        logger.warning("--quantization int8: this CPU has no exact fast int8 GEMM (no VNNI, where oneDNN's sums "
-                       "saturate), so the layers run on torch._int_mm, many times slower than the float model "
-                       "(~25x per layer on an AVX2 Zen 3); the results are exact")
+        logger.warning("--quantization int8: no exact fast int8 GEMM here (no AVX512-VNNI, and this torch build "
+                       "has no oneDNN quantized linear), so the layers run on torch._int_mm, many times slower than "
+                       "the float model (~25x per layer on an AVX2 Zen 3); the results are exact")
     return len(swaps)

@@ -123,7 +123,9 @@ def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
             request.num_computed_tokens = end
             if end == prompt_len and compression is not None:
                 engine.compress_prompt(request, compression)
-            yield start, torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
+            with torch.inference_mode():  # hidden is an inference tensor (the runner's forward)
+                logprobs = torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
+            yield start, logprobs
     finally:
         kv.free(request.request_id)
 

@@ -165,6 +165,14 @@ static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_
       const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f.data() + i), vinv)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(q, vflip));
     }
+#elif defined(__AVX2__)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+    for (; i + 8 <= cols; i += 8) {  // round to nearest even; |code| <= 127, so the packs never saturate
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(f.data() + i), vinv));
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(_mm_packs_epi16(w, w), vflip));
+    }
 #endif
     for (; i < cols; ++i)
       row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(f[i] * inv))) ^ static_cast<uint8_t>(flip);
