@@ -8,37 +8,46 @@
 #include "attention.h"
 #include "ops.h"
 
-// One (sequence, KV head) job, portable C++: the reference the vector path must match. A block's
-// rows of the head, widened to float32 in `tile` (block_size * dim; float32 pools are read in
-// place), go through score_rows / accumulate_rows. Blocks are scattered, so the next block's rows
-// are prefetched, and the key pass prefetches each block's value rows for the value pass: 2 KB of
-// each, enough to start the hardware prefetcher within a block (whole 16 KB blocks measured 6%
-// slower at 128-token blocks; none at all, 25% slower at 16).
+// One (sequence, KV head) job, portable C++: the reference the vector path must match. Rows of
+// the head go through score_rows / accumulate_rows as they are where those take them
+// (rows_widened: float32, and with AVX2 bf16/float16), else widened to float32 in `tile`
+// (block_size * dim) first. The key pass goes kSliceRows at a time, prefetching (prefetch_slice)
+// the value rows of the slice and the key rows ahead of it.
 template <typename T>
 static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t group,
                               int64_t dim, int64_t h, int64_t kv_heads, int64_t block_size, float* probs,
                               float* acc, float* tile, float* lse) {
   const int64_t block_stride = 2 * kv_heads * block_size * dim;  // elements per block
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
-  // head j's rows of the sequence's block blk, as float32
-  auto rows = [&](int64_t j, int64_t blk, int64_t n) -> const float* {
-    const T* src = kv + table[blk] * block_stride + j * block_size * dim;
-    const int64_t bytes = std::min<int64_t>(2048, block_size * dim * static_cast<int64_t>(sizeof(T)));
-    if (blk + 1 < num_blocks) prefetch_row(kv + table[blk + 1] * block_stride + j * block_size * dim, bytes);
-    if (j == h) prefetch_row(src + kv_heads * block_size * dim, bytes);
-    if constexpr (std::is_same_v<T, float>) return src;
-    to_float(src, tile, n * dim);
-    return tile;
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  const BlockSize blocks = BlockSize::of(block_size);
+  // head j's row at position pos of the sequence
+  auto row = [&](int64_t j, int64_t pos) {
+    return kv + table[blocks.block(pos)] * block_stride + (j * block_size + blocks.offset(pos)) * dim;
   };
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t n = std::min(block_size, len - blk * block_size);
-    score_rows(qf, group, dim, rows(h, blk, n), n, probs + blk * block_size, len);
+  // up to m rows from pos on, not past pos's block or the sequence
+  auto rows_from = [&](int64_t pos, int64_t m) { return std::min({m, block_size - blocks.offset(pos), len - pos}); };
+  auto prefetch = [&](int64_t j) {
+    return [&, j](int64_t pos, int64_t m) {
+      if (pos < len) prefetch_row(row(j, pos), rows_from(pos, m) * row_bytes);
+    };
+  };
+  // fn(rows) on head j's m rows from pos (within one block), as they are or as a float32 tile
+  const bool in_place = rows_widened<T>(dim);
+  auto with_rows = [&](int64_t j, int64_t pos, int64_t m, const auto& fn) {
+    if (in_place) return fn(row(j, pos));
+    to_float(row(j, pos), tile, m * dim);
+    fn(static_cast<const float*>(tile));
+  };
+  for (int64_t pos = 0, m; pos < len; pos += m) {
+    m = rows_from(pos, kSliceRows);
+    prefetch_slice(pos, m, prefetch(h), prefetch(kv_heads + h));
+    with_rows(h, pos, m, [&](const auto* rows) { score_rows(qf, group, dim, rows, m, probs + pos, len); });
   }
   softmax_rows(probs, group, len, lse);
   std::fill(acc, acc + group * dim, 0.f);
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t n = std::min(block_size, len - blk * block_size);
-    accumulate_rows(probs + blk * block_size, len, group, dim, rows(kv_heads + h, blk, n), n, acc);
+  for (int64_t pos = 0, m; pos < len; pos += m) {
+    m = rows_from(pos, block_size);
+    with_rows(kv_heads + h, pos, m, [&](const auto* rows) { accumulate_rows(probs + pos, len, group, dim, rows, m, acc); });
   }
 }
 #if defined(__AVX512F__)

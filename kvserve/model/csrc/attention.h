@@ -47,16 +47,29 @@ static void decode_driver(const T* q, int64_t q_stride, const int64_t* lens, O* 
   });
 }
 
-// The portable decode jobs' two passes over a tile of n float32 rows (dim each, consecutive):
-// keys scored against the group's queries, values added into its outputs. With AVX2 (CPUs
-// without AVX-512, where these jobs are the decode path) 8 rows' sums are reduced together and
-// the outputs held in 8 accumulators over the rows; the loops stay the reference elsewhere.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The portable decode jobs' two passes over n consecutive rows (dim elements each) of one KV
+// head: keys scored against the group's queries, values added into its outputs. The rows are
+// float32, or, with AVX2 (CPUs without AVX-512, where these jobs are the decode path), bf16 or
+// float16 rows of the pool as they are, widened in registers as they are used (widen8): a
+// float32 tile of them took a widening and a store per 8 elements first, a third of a hot bf16
+// job's perf samples on a Zen 3. Widened rows go 4 at a time for up to 3 query heads, each 8
+// elements widened once for the 3 heads and the 12 sums reduced together (hadd trees); their
+// values 8 x 4 dims at a time for up to 3 heads, so a row is widened once in all. float32 rows
+// keep the reference's AVX2 loops (8 rows' sums per head, the rows as FMA memory operands).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define KVSERVE_AVX2_ROWS 1
+
 // out[j] = the sum of v[j]'s 8 lanes.
 static inline __m256 lane_sums8(const __m256 (&v)[8]) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// The sums of 4 vectors' 8 lanes, in lane_sums8's order.
+static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // acc[0, 8 * NA) += sum_t weights[t] * rows[t][0, 8 * NA) (rows dim apart), in registers.
@@ -70,55 +83,158 @@ static inline void accumulate_dims(const float* weights, const float* rows, int6
   }
   for (int i = 0; i < NA; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
-#define KVSERVE_AVX2_ROWS 1
+
+// 8 elements as float32: bf16 by a 16-bit shift, float16 by F16C.
+static inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <typename T>
+constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+// fn(std::integral_constant<int, GB>{}, first) for the heads [0, group) in runs of GB <= 3
+// (what AVX2's 16 registers hold: 4 rows' sums, or 4 vectors of outputs, for each head).
+template <typename Fn>
+static inline void by_head_triples(int64_t group, const Fn& fn) {
+  int64_t g = 0;
+  for (; g + 3 <= group; g += 3) fn(std::integral_constant<int, 3>{}, g);
+  if (group - g == 2) fn(std::integral_constant<int, 2>{}, g);
+  if (group - g == 1) fn(std::integral_constant<int, 1>{}, g);
+}
+
+// scores[g * stride + t] = q[g] . rows[t] for GB query heads (float32 rows, dim apart).
+template <int GB, typename T>
+static void score_rows_widened(const float* q, int64_t dim, const T* rows, int64_t n, float* scores, int64_t stride) {
+  for (int64_t t = 0; t < n; t += 4) {
+    const int m = static_cast<int>(std::min<int64_t>(4, n - t));  // rows past n repeat the last: sums unused
+    const T* row[4];
+    for (int j = 0; j < 4; ++j) row[j] = rows + (t + std::min(j, m - 1)) * dim;
+    __m256 s[GB][4];
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < 4; ++j) s[g][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 8)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 k = widen8(row[j] + c);
+        for (int g = 0; g < GB; ++g) s[g][j] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q + g * dim + c), s[g][j]);
+      }
+    for (int g = 0; g < GB; ++g) {
+      const __m128 sums = lane_sums4(s[g][0], s[g][1], s[g][2], s[g][3]);
+      if (m == 4) {
+        _mm_storeu_ps(scores + g * stride + t, sums);
+      } else {
+        alignas(16) float part[4];
+        _mm_store_ps(part, sums);
+        for (int j = 0; j < m; ++j) scores[g * stride + t + j] = part[j];
+      }
+    }
+  }
+}
+
+// acc[g * dim + d] += sum_t weights[g * stride + t] * rows[t][d] for GB heads and the S x 8
+// dims d from 0: outputs in registers over the rows, each row's S vectors widened once.
+template <int GB, int S, typename T>
+static inline void accumulate_widened(const float* weights, int64_t stride, const T* rows, int64_t n, int64_t dim,
+                                      float* acc) {
+  __m256 a[GB][S];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < S; ++i) a[g][i] = _mm256_loadu_ps(acc + g * dim + 8 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 p[GB];
+    for (int g = 0; g < GB; ++g) p[g] = _mm256_broadcast_ss(weights + g * stride + t);
+    for (int i = 0; i < S; ++i) {
+      const __m256 v = widen8(rows + t * dim + 8 * i);
+      for (int g = 0; g < GB; ++g) a[g][i] = _mm256_fmadd_ps(p[g], v, a[g][i]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < S; ++i) _mm256_storeu_ps(acc + g * dim + 8 * i, a[g][i]);
+}
 #endif
 
-// scores[g * stride + t] = qf[g] . rows[t] for the group's query rows qf [group, dim].
-static inline void score_rows(const float* qf, int64_t group, int64_t dim, const float* rows, int64_t n,
-                              float* scores, int64_t stride) {
+// Whether score_rows / accumulate_rows take rows of T as they are, for this head size (else a
+// float32 tile of them).
+template <typename T>
+static inline bool rows_widened(int64_t dim) {
+#if defined(KVSERVE_AVX2_ROWS)
+  if constexpr (kWidens8<T>) return dim % 8 == 0;
+#endif
+  (void)dim;
+  return std::is_same_v<T, float>;
+}
+
+// scores[g * stride + t] = qf[g] . rows[t] for the group's query rows qf [group, dim]; rows of T
+// where rows_widened<T>(dim).
+template <typename T>
+static inline void score_rows(const float* qf, int64_t group, int64_t dim, const T* rows, int64_t n, float* scores,
+                              int64_t stride) {
   int64_t first = 0;
 #if defined(KVSERVE_AVX2_ROWS)
-  if (dim % 8 == 0)
-    for (; first + 8 <= n; first += 8)
-      for (int64_t g = 0; g < group; ++g) {
-        __m256 s[8];
-        for (int j = 0; j < 8; ++j) s[j] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < dim; c += 8) {
-          const __m256 qc = _mm256_loadu_ps(qf + g * dim + c);
-          for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows + (first + j) * dim + c), qc, s[j]);
+  if constexpr (kWidens8<T>) {
+    if (dim % 8 == 0)
+      return by_head_triples(group, [&](auto gb, int64_t g) {
+        score_rows_widened<decltype(gb)::value>(qf + g * dim, dim, rows, n, scores + g * stride, stride);
+      });
+  } else if constexpr (std::is_same_v<T, float>) {
+    if (dim % 8 == 0)
+      for (; first + 8 <= n; first += 8)
+        for (int64_t g = 0; g < group; ++g) {
+          __m256 s[8];
+          for (int j = 0; j < 8; ++j) s[j] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < dim; c += 8) {
+            const __m256 qc = _mm256_loadu_ps(qf + g * dim + c);
+            for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows + (first + j) * dim + c), qc, s[j]);
+          }
+          _mm256_storeu_ps(scores + g * stride + first, lane_sums8(s));
         }
-        _mm256_storeu_ps(scores + g * stride + first, lane_sums8(s));
-      }
+  }
 #endif
   for (int64_t t = first; t < n; ++t)
     for (int64_t g = 0; g < group; ++g) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * rows[t * dim + d];
+      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * static_cast<float>(rows[t * dim + d]);
       scores[g * stride + t] = s;
     }
 }
 
-// acc[g] += sum_t weights[g * stride + t] * rows[t] for the group's outputs acc [group, dim].
-static inline void accumulate_rows(const float* weights, int64_t stride, int64_t group, int64_t dim,
-                                   const float* rows, int64_t n, float* acc) {
+// acc[g] += sum_t weights[g * stride + t] * rows[t] for the group's outputs acc [group, dim];
+// rows of T where rows_widened<T>(dim).
+template <typename T>
+static inline void accumulate_rows(const float* weights, int64_t stride, int64_t group, int64_t dim, const T* rows,
+                                   int64_t n, float* acc) {
 #if defined(KVSERVE_AVX2_ROWS)
-  if (dim % 8 == 0) {
-    for (int64_t g = 0; g < group; ++g) {
-      int64_t c = 0;
-      for (; c + 64 <= dim; c += 64) accumulate_dims<8>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
-      for (; c < dim; c += 8) accumulate_dims<1>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+  if constexpr (kWidens8<T>) {
+    if (dim % 8 == 0)
+      return by_head_triples(group, [&](auto gb, int64_t g) {
+        constexpr int GB = decltype(gb)::value, S = GB == 1 ? 8 : 4;
+        int64_t c = 0;
+        for (; c + 8 * S <= dim; c += 8 * S)
+          accumulate_widened<GB, S>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c < dim; c += 8) accumulate_widened<GB, 1>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
+      });
+  } else if constexpr (std::is_same_v<T, float>) {
+    if (dim % 8 == 0) {
+      for (int64_t g = 0; g < group; ++g) {
+        int64_t c = 0;
+        for (; c + 64 <= dim; c += 64) accumulate_dims<8>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c < dim; c += 8) accumulate_dims<1>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+      }
+      return;
     }
-    return;
   }
 #endif
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const float p = weights[g * stride + t];
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * rows[t * dim + d];
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * static_cast<float>(rows[t * dim + d]);
     }
 }
+
+// Rows the portable decode jobs' key passes score between two prefetches (prefetch_slice).
+constexpr int64_t kSliceRows = 8;
 
 #if defined(__AVX512F__)
 // Prefill attention for RB query rows of one (sequence, KV head): scores against 16 keys at a
