@@ -13,6 +13,8 @@
 // (rows_widened: float32, and with AVX2 bf16/float16), else widened to float32 in `tile`
 // (block_size * dim) first. The key pass goes kSliceRows at a time, prefetching (prefetch_slice)
 // the value rows of the slice and the key rows ahead of it.
+constexpr int64_t kSliceRows = 8;
+
 template <typename T>
 static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t group,
                               int64_t dim, int64_t h, int64_t kv_heads, int64_t block_size, float* probs,

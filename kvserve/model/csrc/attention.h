@@ -84,13 +84,6 @@ static inline void accumulate_dims(const float* weights, const float* rows, int6
   for (int i = 0; i < NA; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
-// 8 elements as float32: bf16 by a 16-bit shift, float16 by F16C.
-static inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 template <typename T>
 constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
@@ -232,9 +225,6 @@ static inline void accumulate_rows(const float* weights, int64_t stride, int64_t
       for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * static_cast<float>(rows[t * dim + d]);
     }
 }
-
-// Rows the portable decode jobs' key passes score between two prefetches (prefetch_slice).
-constexpr int64_t kSliceRows = 8;
 
 #if defined(__AVX512F__)
 // Prefill attention for RB query rows of one (sequence, KV head): scores against 16 keys at a

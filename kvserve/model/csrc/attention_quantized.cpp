@@ -184,7 +184,7 @@ struct QuantPool {
 #if defined(__AVX512F__)
 // A quantized decode job's software prefetch, called as the key pass starts rows [pos, pos + m)
 // (within one block) of head h: those rows' values and value scales (int4: affines), for the
-// value pass (which then runs from L2), and the key rows kAheadRows further on, with their
+// value pass (which then runs from L2), and the key rows kPrefetchAheadRows further on (prefetch_slice), with their
 // block's key scales (int4: affines) where those are per block. Blocks are scattered, so the
 // hardware's prefetchers stop at each block's end. 16 rows at a time, not a whole block: a
 // 16-row group of int8 keys is scored faster than memory answers, so one block ahead at
@@ -193,9 +193,8 @@ struct QuantPool {
 // out of line once this file stood alone: int4 decode 1.5x slower hot).
 __attribute__((always_inline)) static inline void prefetch_key_pass(const QuantPool& pool, const int64_t* table,
                                                                    int64_t h, int64_t pos, int64_t m, int64_t end) {
-  constexpr int64_t kAheadRows = 64;
   const int64_t bs = pool.block_size, rb = pool.row_bytes;
-  auto keys_from = [&](int64_t p) {  // up to m rows, not past p's block or end; at a block's start its key tables
+  auto keys_from = [&](int64_t p, int64_t) {  // up to m rows, not past p's block or end; at a block's start its key tables
     if (p >= end) return;
     prefetch_row(pool.row_at(table, h, p), std::min({m, bs - p % bs, end - p}) * rb);
     if (p % bs != 0) return;
@@ -203,13 +202,13 @@ __attribute__((always_inline)) static inline void prefetch_key_pass(const QuantP
     if (pool.key_affine != nullptr) prefetch_row(pool.key_affine + head_block * 2 * pool.dim, 4 * pool.dim);
     else if (pool.key_per_block) prefetch_row(pool.key_scales + head_block * pool.dim, 4 * pool.dim);
   };
-  prefetch_row(pool.row_at(table, pool.kv_heads + h, pos), m * rb);
-  const int64_t token = pool.token_index(table, h, pos);
-  if (pool.value_affine != nullptr) prefetch_row(pool.value_affine + token * pool.groups * 2, m * pool.groups * 4);
-  else if (pool.value_scales != nullptr) prefetch_row(pool.value_scales + token, m * 4);
-  if (pos == 0)
-    for (int64_t p = m; p < kAheadRows; p += m) keys_from(p);
-  keys_from(pos + kAheadRows);
+  auto values_at = [&](int64_t p, int64_t) {
+    prefetch_row(pool.row_at(table, pool.kv_heads + h, p), m * rb);
+    const int64_t token = pool.token_index(table, h, p);
+    if (pool.value_affine != nullptr) prefetch_row(pool.value_affine + token * pool.groups * 2, m * pool.groups * 4);
+    else if (pool.value_scales != nullptr) prefetch_row(pool.value_scales + token, m * 4);
+  };
+  prefetch_slice(pos, m, keys_from, values_at);
 }
 
 template <int KIND, int NV>

@@ -129,10 +129,10 @@ struct BlockSize {
   int64_t offset(int64_t pos) const { return shift >= 0 ? pos & (size - 1) : pos % size; }
 };
 
-// The portable float decode job's software prefetch as its key pass starts rows [pos, pos + m)
+// A decode job's software prefetch as its key pass starts rows [pos, pos + m)
 // of a sequence (within one block): values(pos, m) for the value pass to come, and keys(p, m)
-// for the rows kPrefetchAheadRows on (at pos 0, also every slice up to there), as the AVX-512
-// quantized jobs do 16 rows at a time (prefetch_key_pass). Blocks are scattered, so the
+// for the rows kPrefetchAheadRows on (at pos 0, also every slice up to there); the AVX-512
+// quantized jobs run it 16 rows at a time (prefetch_key_pass). Blocks are scattered, so the
 // hardware's prefetchers stop at each block's end. A slice at a time through the pass, not a
 // block's 2 KB in one burst: the burst left the memory idle while the block was computed (AVX2,
 // bf16, Zen 3: slices of 8 rows took 0.6-0.87x the time at blocks of 128 and 16).
@@ -235,6 +235,17 @@ static auto by_group(int64_t group, const Make& make) -> decltype(make(std::inte
   }
 }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 elements as float32 (CPUs without AVX-512): bf16 by a 16-bit shift, float16 by F16C.
+static inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#if defined(__F16C__)
+static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+#endif
+
 // Row conversions to and from float32 (vector loads where AVX-512 is available).
 template <typename T>
 static inline void to_float(const T* src, float* dst, int64_t n) {
@@ -245,15 +256,11 @@ static inline void to_float(const T* src, float* dst, int64_t n) {
 #elif defined(__AVX2__)
   // 8 at a time (CPUs without AVX-512): bf16 by a 16-bit shift, float16 by F16C where present
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    for (; i + 8 <= n; i += 8) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
   }
 #if defined(__F16C__)
   else if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
   }
 #endif
 #endif
