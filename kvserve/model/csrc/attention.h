@@ -76,16 +76,19 @@ static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
 template <int NA>
 static inline void accumulate_dims(const float* weights, const float* rows, int64_t n, int64_t dim, float* acc) {
   __m256 a[NA];
+  KVSERVE_UNROLL
   for (int i = 0; i < NA; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
   for (int64_t t = 0; t < n; ++t) {
     const __m256 p = _mm256_broadcast_ss(weights + t);
+    KVSERVE_UNROLL
     for (int i = 0; i < NA; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + t * dim + 8 * i), a[i]);
   }
+  KVSERVE_UNROLL
   for (int i = 0; i < NA; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
 template <typename T>
-constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half> || std::is_same_v<T, int8_t>;
 
 // fn(std::integral_constant<int, GB>{}, first) for the heads [0, group) in runs of GB <= 3
 // (what AVX2's 16 registers hold: 4 rows' sums, or 4 vectors of outputs, for each head).
@@ -103,15 +106,21 @@ static void score_rows_widened(const float* q, int64_t dim, const T* rows, int64
   for (int64_t t = 0; t < n; t += 4) {
     const int m = static_cast<int>(std::min<int64_t>(4, n - t));  // rows past n repeat the last: sums unused
     const T* row[4];
+    KVSERVE_UNROLL
     for (int j = 0; j < 4; ++j) row[j] = rows + (t + std::min(j, m - 1)) * dim;
     __m256 s[GB][4];
+    KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g)
+      KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) s[g][j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < dim; c += 8)
+      KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) {
         const __m256 k = widen8(row[j] + c);
+        KVSERVE_UNROLL
         for (int g = 0; g < GB; ++g) s[g][j] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q + g * dim + c), s[g][j]);
       }
+    KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g) {
       const __m128 sums = lane_sums4(s[g][0], s[g][1], s[g][2], s[g][3]);
       if (m == 4) {
@@ -131,17 +140,24 @@ template <int GB, int S, typename T>
 static inline void accumulate_widened(const float* weights, int64_t stride, const T* rows, int64_t n, int64_t dim,
                                       float* acc) {
   __m256 a[GB][S];
+  KVSERVE_UNROLL
   for (int g = 0; g < GB; ++g)
+    KVSERVE_UNROLL
     for (int i = 0; i < S; ++i) a[g][i] = _mm256_loadu_ps(acc + g * dim + 8 * i);
   for (int64_t t = 0; t < n; ++t) {
     __m256 p[GB];
+    KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g) p[g] = _mm256_broadcast_ss(weights + g * stride + t);
+    KVSERVE_UNROLL
     for (int i = 0; i < S; ++i) {
       const __m256 v = widen8(rows + t * dim + 8 * i);
+      KVSERVE_UNROLL
       for (int g = 0; g < GB; ++g) a[g][i] = _mm256_fmadd_ps(p[g], v, a[g][i]);
     }
   }
+  KVSERVE_UNROLL
   for (int g = 0; g < GB; ++g)
+    KVSERVE_UNROLL
     for (int i = 0; i < S; ++i) _mm256_storeu_ps(acc + g * dim + 8 * i, a[g][i]);
 }
 #endif

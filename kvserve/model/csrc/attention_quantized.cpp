@@ -884,16 +884,21 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t dim, 
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     __m256i s[GB][4];
+    KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g)
+      KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) s[g][j] = _mm256_setzero_si256();
     for (int64_t c = 0; c < dim; c += 16)
+      KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) {
         const __m256i k = _mm256_cvtepi8_epi16(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + (t + j) * row_bytes + c)));
+        KVSERVE_UNROLL
         for (int g = 0; g < GB; ++g)
           s[g][j] = _mm256_add_epi32(s[g][j], _mm256_madd_epi16(
               k, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * dim + c))));
       }
+    KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g) {
       const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[g][0], s[g][1]), _mm256_hadd_epi32(s[g][2], s[g][3]));
       const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -901,6 +906,7 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t dim, 
     }
   }
   for (; t < n; ++t)
+    KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g) {
       int32_t sum = 0;
       for (int64_t d = 0; d < dim; ++d) sum += static_cast<int32_t>(q16[g * dim + d]) * keys[t * row_bytes + d];
@@ -908,14 +914,14 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t dim, 
     }
 }
 
-// All `group` heads, three at a time (12 sums in registers, of AVX2's 16).
+// All `group` heads, two at a time: 8 sums in registers (three, 12 of AVX2's 16, left GCC
+// spilling some of them to the stack in the loop: 3-9% slower hot on a Zen 3).
 static void score_rows_int8(const int16_t* q16, const float* step, int64_t group, int64_t dim, const int8_t* keys,
                             int64_t row_bytes, int64_t n, float* scores, int64_t stride) {
   int64_t g = 0;
-  for (; g + 3 <= group; g += 3)
-    score_rows_int8<3>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
-  if (group - g == 2) score_rows_int8<2>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
-  if (group - g == 1) score_rows_int8<1>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
+  for (; g + 2 <= group; g += 2)
+    score_rows_int8<2>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
+  if (g < group) score_rows_int8<1>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
 }
 #endif
 
@@ -923,7 +929,8 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t group
 // decoded into a float32 tile, then the float path's score_rows / accumulate_rows. int8 and fp8
 // blocks stay unscaled in the tile, as in the vector job: the key scales are folded into the
 // queries (per block where they are per block) and each value's scale into its weights (a
-// separate scaling pass over the tile was a third of this job's time on a Zen 3); int4 blocks,
+// separate scaling pass over the tile was a third of this job's time on a Zen 3); with AVX2,
+// int8 codes skip the tile (keys in int16 products, values widened in registers); int4 blocks,
 // float kinds and a tail block are dequantized whole. The key pass prefetches the start of the
 // next block's key rows and of this block's value rows.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
@@ -931,6 +938,11 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
   const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2;
   auto whole = [&](int64_t blk) { return !codes || (pool.tail != nullptr && len - blk * bs < bs); };
+  // int8 codes read in place where the row loops widen them (AVX2), else through the tile
+  const bool int8_rows = pool.kind == kI8 && rows_widened<int8_t>(dim);
+  auto int8_rows_of = [&](int64_t j, int64_t blk) {
+    return reinterpret_cast<const int8_t*>(pool.row_at(table, j, blk * bs));
+  };
   thread_local std::vector<float> scaled, weights;
   scaled.resize(group * dim);
   weights.resize(group * bs);
@@ -972,8 +984,13 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       continue;
     }
 #endif
+    const float* q = pool.key_scales != nullptr ? scaled.data() : qf;
+    if (int8_rows) {
+      score_rows(q, group, dim, int8_rows_of(h, blk), n, probs + blk * bs, len);
+      continue;
+    }
     pool.code_rows(table[blk], h, n, tile);
-    score_rows(pool.key_scales != nullptr ? scaled.data() : qf, group, dim, tile, n, probs + blk * bs, len);
+    score_rows(q, group, dim, tile, n, probs + blk * bs, len);
   }
   softmax_rows(probs, group, len);
   std::fill(acc, acc + group * dim, 0.f);
@@ -984,7 +1001,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       accumulate_rows(probs + blk * bs, len, group, dim, tile, n, acc);
       continue;
     }
-    pool.code_rows(table[blk], kv_heads + h, n, tile);
+    if (!int8_rows) pool.code_rows(table[blk], kv_heads + h, n, tile);
     // each head's weights times the value scales, a contiguous run of both per head (a loop
     // over tokens, then heads, was a tenth of the int8 job's time on a Zen 3)
     const float* vs = pool.value_scale_row(table[blk], h);
@@ -999,7 +1016,8 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
         for (int64_t t = 0; t < n; ++t) w[t] = p[t] * vs[t];
       }
     }
-    accumulate_rows(weights.data(), bs, group, dim, tile, n, acc);
+    if (int8_rows) accumulate_rows(weights.data(), bs, group, dim, int8_rows_of(kv_heads + h, blk), n, acc);
+    else accumulate_rows(weights.data(), bs, group, dim, tile, n, acc);
   }
 }
 
