@@ -24,17 +24,18 @@ struct QuantPool {
   const uint8_t* fp8_bytes;   // fp8: bf16 bytes of the 128 magnitudes (fp8_bf16_bytes)
   const uint8_t* tail;        // [slots, block_size, 2*kv_heads, dim] in tail_kind; null: none
   int64_t tail_kind, tail_elem;
+  BlockSize blocks;           // block_size's shift and mask: row_at and token_index run per row slice
 
   int64_t block_bytes() const { return 2 * kv_heads * block_size * row_bytes; }
 
   // A sequence's (table: its block ids) row of head j (K heads, then V heads) at position pos.
   const uint8_t* row_at(const int64_t* table, int64_t j, int64_t pos) const {
-    return data + table[pos / block_size] * block_bytes() + (j * block_size + pos % block_size) * row_bytes;
+    return data + table[blocks.block(pos)] * block_bytes() + (j * block_size + blocks.offset(pos)) * row_bytes;
   }
 
   // Its token at pos in the per-token tables of KV head h (value scales, int4 value affines).
   int64_t token_index(const int64_t* table, int64_t h, int64_t pos) const {
-    return (table[pos / block_size] * kv_heads + h) * block_size + pos % block_size;
+    return (table[blocks.block(pos)] * kv_heads + h) * block_size + blocks.offset(pos);
   }
 
   // Row `src` (one head of one token, row_bytes) unscaled to float32.
@@ -174,19 +175,12 @@ struct QuantPool {
   }
 };
 
-// Decode over a quantized pool for one (sequence, KV head), vector path for dim = 16 * NV.
-// Quantized kinds are read straight from the pool's bytes, with the scales folded outside the
-// per-element work: keys' per-channel scales (int4: steps) multiply the query once per block
-// (int4's minimums add q·min to the block's scores), a value's per-token scale multiplies its
-// probability. float kinds of another dtype, and a sequence's tail block, go through a float
-// tile. fp8 widens through float16: e5m2 is float16's top byte; e4m3's magnitude bits shifted
-// into float16's exponent/mantissa fields give the value / 256 (subnormals included).
-#if defined(__AVX512F__)
 // A quantized decode job's software prefetch, called as the key pass starts rows [pos, pos + m)
 // (within one block) of head h: those rows' values and value scales (int4: affines), for the
 // value pass (which then runs from L2), and the key rows kPrefetchAheadRows further on (prefetch_slice), with their
 // block's key scales (int4: affines) where those are per block. Blocks are scattered, so the
-// hardware's prefetchers stop at each block's end. 16 rows at a time, not a whole block: a
+// hardware's prefetchers stop at each block's end. The AVX-512 jobs call it 16 rows at a time,
+// the portable job's int8 path kInt8SliceRows at a time; not a whole block: a
 // 16-row group of int8 keys is scored faster than memory answers, so one block ahead at
 // 16-token blocks measured 1.2x slower cold than 64 rows (EPYC); `end` is where the coded rows stop.
 // Always inlined: called out of line, every call spills the kernel's vector registers (GCC left it
@@ -196,9 +190,10 @@ __attribute__((always_inline)) static inline void prefetch_key_pass(const QuantP
   const int64_t bs = pool.block_size, rb = pool.row_bytes;
   auto keys_from = [&](int64_t p, int64_t) {  // up to m rows, not past p's block or end; at a block's start its key tables
     if (p >= end) return;
-    prefetch_row(pool.row_at(table, h, p), std::min({m, bs - p % bs, end - p}) * rb);
-    if (p % bs != 0) return;
-    const int64_t head_block = table[p / bs] * pool.kv_heads + h;
+    const int64_t offset = pool.blocks.offset(p);
+    prefetch_row(pool.row_at(table, h, p), std::min({m, bs - offset, end - p}) * rb);
+    if (offset != 0) return;
+    const int64_t head_block = table[pool.blocks.block(p)] * pool.kv_heads + h;
     if (pool.key_affine != nullptr) prefetch_row(pool.key_affine + head_block * 2 * pool.dim, 4 * pool.dim);
     else if (pool.key_per_block) prefetch_row(pool.key_scales + head_block * pool.dim, 4 * pool.dim);
   };
@@ -211,6 +206,14 @@ __attribute__((always_inline)) static inline void prefetch_key_pass(const QuantP
   prefetch_slice(pos, m, keys_from, values_at);
 }
 
+#if defined(__AVX512F__)
+// Decode over a quantized pool for one (sequence, KV head), vector path for dim = 16 * NV.
+// Quantized kinds are read straight from the pool's bytes, with the scales folded outside the
+// per-element work: keys' per-channel scales (int4: steps) multiply the query once per block
+// (int4's minimums add q·min to the block's scores), a value's per-token scale multiplies its
+// probability. float kinds of another dtype, and a sequence's tail block, go through a float
+// tile. fp8 widens through float16: e5m2 is float16's top byte; e4m3's magnitude bits shifted
+// into float16's exponent/mantissa fields give the value / 256 (subnormals included).
 template <int KIND, int NV>
 static inline void load_codes(const uint8_t* row, __m512 (&out)[NV]) {
   if constexpr (KIND == kI8) {
@@ -925,14 +928,16 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t group
 }
 #endif
 
+constexpr int64_t kInt8SliceRows = 16;  // 1 KB of keys at head_dim 64: the float job's 8 bf16 rows
+
 // The portable job over a quantized pool (the reference for the vector one): each block
 // decoded into a float32 tile, then the float path's score_rows / accumulate_rows. int8 and fp8
 // blocks stay unscaled in the tile, as in the vector job: the key scales are folded into the
 // queries (per block where they are per block) and each value's scale into its weights (a
 // separate scaling pass over the tile was a third of this job's time on a Zen 3); with AVX2,
 // int8 codes skip the tile (keys in int16 products, values widened in registers); int4 blocks,
-// float kinds and a tail block are dequantized whole. The key pass prefetches the start of the
-// next block's key rows and of this block's value rows.
+// float kinds and a tail block are dequantized whole. The key pass prefetches per slice of int8
+// rows read in place, else per block.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
@@ -966,31 +971,41 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
 #if defined(KVSERVE_AVX2_ROWS)
   if (int_keys && pool.key_scales == nullptr) round_queries_int16(qf, group, dim, q16.data(), q_step.data());
 #endif
+  // int8 rows in place go kInt8SliceRows at a time, each slice prefetching its values and the
+  // key rows ahead (prefetch_key_pass); tiles a block at a time, prefetching 2 KB of the next
+  // block's keys and of this block's values
+  const int64_t coded_len = pool.tail != nullptr ? len - len % bs : len;
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t bytes = std::min<int64_t>(2048, bs * pool.row_bytes);  // as the float job (attention.cpp)
-    if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, (blk + 1) * bs), bytes);
-    prefetch_row(pool.row_at(table, kv_heads + h, blk * bs), bytes);
-    const int64_t n = std::min(bs, len - blk * bs);
+    const int64_t first = blk * bs, n = std::min(bs, len - first);
+    if (!int8_rows || whole(blk)) {
+      const int64_t bytes = std::min<int64_t>(2048, bs * pool.row_bytes);
+      if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, first + bs), bytes);
+      prefetch_row(pool.row_at(table, kv_heads + h, first), bytes);
+    }
     if (whole(blk)) {
       pool.tile(table, blk, len, tail_slot, h, tile);
-      score_rows(qf, group, dim, tile, n, probs + blk * bs, len);
+      score_rows(qf, group, dim, tile, n, probs + first, len);
       continue;
     }
     if (pool.key_scales != nullptr && pool.key_per_block) scale_queries(pool.key_scale_row(table[blk], h));
-#if defined(KVSERVE_AVX2_ROWS)
-    if (int_keys) {
-      score_rows_int8(q16.data(), q_step.data(), group, dim, reinterpret_cast<const int8_t*>(pool.row_at(table, h, blk * bs)),
-                      pool.row_bytes, n, probs + blk * bs, len);
-      continue;
-    }
-#endif
     const float* q = pool.key_scales != nullptr ? scaled.data() : qf;
     if (int8_rows) {
-      score_rows(q, group, dim, int8_rows_of(h, blk), n, probs + blk * bs, len);
+      for (int64_t r0 = 0; r0 < n; r0 += kInt8SliceRows) {
+        const int64_t m = std::min(kInt8SliceRows, n - r0);
+        prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
+        const int8_t* rows = int8_rows_of(h, blk) + r0 * dim;
+#if defined(KVSERVE_AVX2_ROWS)
+        if (int_keys) {
+          score_rows_int8(q16.data(), q_step.data(), group, dim, rows, dim, m, probs + first + r0, len);
+          continue;
+        }
+#endif
+        score_rows(q, group, dim, rows, m, probs + first + r0, len);
+      }
       continue;
     }
     pool.code_rows(table[blk], h, n, tile);
-    score_rows(q, group, dim, tile, n, probs + blk * bs, len);
+    score_rows(q, group, dim, tile, n, probs + first, len);
   }
   softmax_rows(probs, group, len);
   std::fill(acc, acc + group * dim, 0.f);
@@ -1045,6 +1060,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
   pool.kind = kind;
   pool.kv_heads = kv_heads;
   pool.block_size = data.size(2);
+  pool.blocks = BlockSize::of(pool.block_size);
   pool.dim = dim;
   pool.row_bytes = data.size(3) * data.element_size();
   if (kind == kI4) {
