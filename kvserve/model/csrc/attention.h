@@ -88,7 +88,8 @@ static inline void accumulate_dims(const float* weights, const float* rows, int6
 }
 
 template <typename T>
-constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half> || std::is_same_v<T, int8_t>;
+constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half> || std::is_same_v<T, int8_t> ||
+                         std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
 
 // fn(std::integral_constant<int, GB>{}, first) for the heads [0, group) in runs of GB <= 3
 // (what AVX2's 16 registers hold: 4 rows' sums, or 4 vectors of outputs, for each head).

@@ -48,19 +48,9 @@ struct QuantPool {
       case kE5M2: {
         int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
-        // 8 codes at a time through float16, as load_codes does with AVX-512 (the table lookup
-        // took 2.5x the int8 job's time on a Zen 3): e5m2 is float16's top byte; e4m3's bits
-        // shifted into float16's fields give the value / 256, subnormals included
-        for (; d + 8 <= dim; d += 8) {
-          const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
-          if (kind == kE5M2) {
-            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
-          } else {
-            const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                              _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-            _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f)));
-          }
-        }
+        for (; d + 8 <= dim; d += 8)  // 8 codes at a time through float16 (widen8)
+          _mm256_storeu_ps(dst + d, kind == kE5M2 ? widen8(reinterpret_cast<const Fp8E5M2*>(src + d))
+                                                  : widen8(reinterpret_cast<const Fp8E4M3*>(src + d)));
 #endif
         for (; d < dim; ++d) dst[d] = lut[src[d]];
         break;
@@ -180,7 +170,7 @@ struct QuantPool {
 // value pass (which then runs from L2), and the key rows kPrefetchAheadRows further on (prefetch_slice), with their
 // block's key scales (int4: affines) where those are per block. Blocks are scattered, so the
 // hardware's prefetchers stop at each block's end. The AVX-512 jobs call it 16 rows at a time,
-// the portable job's int8 path kInt8SliceRows at a time; not a whole block: a
+// the portable job's in-place codes kCodeSliceRows at a time; not a whole block: a
 // 16-row group of int8 keys is scored faster than memory answers, so one block ahead at
 // 16-token blocks measured 1.2x slower cold than 64 rows (EPYC); `end` is where the coded rows stop.
 // Always inlined: called out of line, every call spills the kernel's vector registers (GCC left it
@@ -928,25 +918,29 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t group
 }
 #endif
 
-constexpr int64_t kInt8SliceRows = 16;  // 1 KB of keys at head_dim 64: the float job's 8 bf16 rows
+constexpr int64_t kCodeSliceRows = 16;  // 1 KB of 8-bit keys at head_dim 64: the float job's 8 bf16 rows
 
 // The portable job over a quantized pool (the reference for the vector one): each block
 // decoded into a float32 tile, then the float path's score_rows / accumulate_rows. int8 and fp8
 // blocks stay unscaled in the tile, as in the vector job: the key scales are folded into the
 // queries (per block where they are per block) and each value's scale into its weights (a
 // separate scaling pass over the tile was a third of this job's time on a Zen 3); with AVX2,
-// int8 codes skip the tile (keys in int16 products, values widened in registers); int4 blocks,
-// float kinds and a tail block are dequantized whole. The key pass prefetches per slice of int8
-// rows read in place, else per block.
+// int8 and fp8 codes skip the tile (widened in registers; int8 keys in int16 products); int4
+// blocks, float kinds and a tail block are dequantized whole. The key pass prefetches per slice
+// of codes read in place, else per block.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
   const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2;
   auto whole = [&](int64_t blk) { return !codes || (pool.tail != nullptr && len - blk * bs < bs); };
-  // int8 codes read in place where the row loops widen them (AVX2), else through the tile
-  const bool int8_rows = pool.kind == kI8 && rows_widened<int8_t>(dim);
-  auto int8_rows_of = [&](int64_t j, int64_t blk) {
-    return reinterpret_cast<const int8_t*>(pool.row_at(table, j, blk * bs));
+  // int8/fp8 codes read in place where the row loops widen them (AVX2), else through the tile:
+  // fn(the rows of head j from pos on, typed by their kind)
+  const bool in_place = codes && rows_widened<int8_t>(dim);
+  auto code_rows_at = [&](int64_t j, int64_t pos, const auto& fn) {
+    const uint8_t* rows = pool.row_at(table, j, pos);
+    if (pool.kind == kI8) return fn(reinterpret_cast<const int8_t*>(rows));
+    if (pool.kind == kE4M3) return fn(reinterpret_cast<const Fp8E4M3*>(rows));
+    return fn(reinterpret_cast<const Fp8E5M2*>(rows));
   };
   thread_local std::vector<float> scaled, weights;
   scaled.resize(group * dim);
@@ -971,13 +965,13 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
 #if defined(KVSERVE_AVX2_ROWS)
   if (int_keys && pool.key_scales == nullptr) round_queries_int16(qf, group, dim, q16.data(), q_step.data());
 #endif
-  // int8 rows in place go kInt8SliceRows at a time, each slice prefetching its values and the
-  // key rows ahead (prefetch_key_pass); tiles a block at a time, prefetching 2 KB of the next
+  // codes in place go kCodeSliceRows at a time, each slice prefetching its values and the key
+  // rows ahead (prefetch_key_pass); tiles a block at a time, prefetching 2 KB of the next
   // block's keys and of this block's values
   const int64_t coded_len = pool.tail != nullptr ? len - len % bs : len;
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * bs, n = std::min(bs, len - first);
-    if (!int8_rows || whole(blk)) {
+    if (!in_place || whole(blk)) {
       const int64_t bytes = std::min<int64_t>(2048, bs * pool.row_bytes);
       if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, first + bs), bytes);
       prefetch_row(pool.row_at(table, kv_heads + h, first), bytes);
@@ -989,18 +983,18 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
     }
     if (pool.key_scales != nullptr && pool.key_per_block) scale_queries(pool.key_scale_row(table[blk], h));
     const float* q = pool.key_scales != nullptr ? scaled.data() : qf;
-    if (int8_rows) {
-      for (int64_t r0 = 0; r0 < n; r0 += kInt8SliceRows) {
-        const int64_t m = std::min(kInt8SliceRows, n - r0);
+    if (in_place) {
+      for (int64_t r0 = 0; r0 < n; r0 += kCodeSliceRows) {
+        const int64_t m = std::min(kCodeSliceRows, n - r0);
         prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
-        const int8_t* rows = int8_rows_of(h, blk) + r0 * dim;
+        code_rows_at(h, first + r0, [&](const auto* rows) {
 #if defined(KVSERVE_AVX2_ROWS)
-        if (int_keys) {
-          score_rows_int8(q16.data(), q_step.data(), group, dim, rows, dim, m, probs + first + r0, len);
-          continue;
-        }
+          if constexpr (std::is_same_v<decltype(rows), const int8_t*>)
+            if (int_keys)
+              return score_rows_int8(q16.data(), q_step.data(), group, dim, rows, dim, m, probs + first + r0, len);
 #endif
-        score_rows(q, group, dim, rows, m, probs + first + r0, len);
+          score_rows(q, group, dim, rows, m, probs + first + r0, len);
+        });
       }
       continue;
     }
@@ -1016,7 +1010,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       accumulate_rows(probs + blk * bs, len, group, dim, tile, n, acc);
       continue;
     }
-    if (!int8_rows) pool.code_rows(table[blk], kv_heads + h, n, tile);
+    if (!in_place) pool.code_rows(table[blk], kv_heads + h, n, tile);
     // each head's weights times the value scales, a contiguous run of both per head (a loop
     // over tokens, then heads, was a tenth of the int8 job's time on a Zen 3)
     const float* vs = pool.value_scale_row(table[blk], h);
@@ -1031,8 +1025,9 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
         for (int64_t t = 0; t < n; ++t) w[t] = p[t] * vs[t];
       }
     }
-    if (int8_rows) accumulate_rows(weights.data(), bs, group, dim, int8_rows_of(kv_heads + h, blk), n, acc);
-    else accumulate_rows(weights.data(), bs, group, dim, tile, n, acc);
+    auto accumulate = [&](const auto* rows) { accumulate_rows(weights.data(), bs, group, dim, rows, n, acc); };
+    if (in_place) code_rows_at(kv_heads + h, blk * bs, accumulate);
+    else accumulate(static_cast<const float*>(tile));
   }
 }
 
