@@ -1,14 +1,16 @@
 """Decode attention over a cold pool against this machine's sequential read bandwidth (issue 19, target 1).
 
     python benchmarks/decode_bandwidth.py --out docs/results/decode_bandwidth.json
+    python benchmarks/decode_bandwidth.py --length 4096 --rounds 5   # the KV dtypes side by side
 
 One decode step's attention for every layer of the default model's shape (30 layer pools, 9
 query heads on 3 KV heads, head_dim 64), each layer's pool larger than the last-level cache, so
 every K/V byte comes from memory: the kernel's bytes of K/V (and scales) read per second, beside
 the sequential read bandwidth measured in the same run (``x.sum()`` over 512 MiB, the same
-threads). int8, int4 and fp8 pools are counted in their own bytes (codes plus per-token value
-scales; int4 also its per-block key tables), int8 and fp8 with calibrated static key scales, as
-``--kv-cache-dtype int8|fp8 --kv-scales`` runs them.
+threads; the best of its measurements at the start and at the end). int8, int4 and fp8 pools are
+counted in their own bytes (codes plus per-token value scales; int4 also its per-block key
+tables), int8 and fp8 with calibrated static key scales, as ``--kv-cache-dtype int8|fp8
+--kv-scales`` runs them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -46,8 +49,14 @@ def best_of(fn: Callable[[], object], repeats: int) -> float:
 
 
 def sequential_read_gbps() -> float:
-    x = torch.ones(256 * 2**20, dtype=torch.bfloat16)  # 512 MiB
-    return x.numel() * x.element_size() / best_of(lambda: x.sum(), 5) / 1e9
+    """The fastest read of 512 MiB that torch does here: ``x.sum()`` over float32 and over int64
+    (a bf16 sum widens every element and was partly compute-bound on an AVX2 CPU, 16.7-23 GB/s
+    against 24-27 for float32 in one session)."""
+    best = 0.0
+    for dtype in (torch.float32, torch.int64):
+        x = torch.ones(512 * 2**20 // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
+        best = max(best, x.numel() * x.element_size() / best_of(x.sum, 5) / 1e9)
+    return best
 
 
 def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: int, scattered: bool = True,
@@ -110,6 +119,25 @@ def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers:
             "gbps": batch * length * token_bytes / seconds / 1e9}
 
 
+def interleaved(kv_dtypes: list[str], block_size: int, batch: int, length: int, rounds: int) -> list[dict[str, Any]]:
+    """Every dtype's LAYERS cold pools built first, then ``rounds`` rounds of one step each, the
+    dtypes in turn: ms per layer (median) and the median of the rounds' ratios to the first dtype,
+    so the VM's drift falls on all alike (target 2's per-layer attention, without the model)."""
+    layers = {d: attention_layers(d, block_size, [length] * batch, LAYERS)[0] for d in kv_dtypes}
+    times: dict[str, list[float]] = {d: [] for d in kv_dtypes}
+    for _ in range(rounds):
+        for d in kv_dtypes:
+            layers[d](0)
+            start = time.perf_counter()
+            for i in range(LAYERS):
+                layers[d](i)
+            times[d].append(1e3 * (time.perf_counter() - start) / LAYERS)
+    first = times[kv_dtypes[0]]
+    return [{"kv_dtype": d, "block_size": block_size, "ms_per_layer": statistics.median(times[d]),
+             "ratio": statistics.median(t / b for t, b in zip(times[d], first, strict=True)),
+             "round_ms": times[d]} for d in kv_dtypes]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-dtypes", default="bf16,int8,int4,fp8")
@@ -118,22 +146,34 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="compare the KV dtypes instead: their steps alternated for this many rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_op("paged_decode_attention") is None:
         raise SystemExit("the C++ ops are not available here")
-    read = sequential_read_gbps()
-    result: dict[str, object] = {"cpu": cpu_name(), "threads": args.threads, "batch": args.batch,
-                                 "length": args.length, "sequential_read_gbps": read, "runs": []}
-    print(f"sequential read: {read:.1f} GB/s ({args.threads} threads); decode attention {args.batch} x {args.length}")
-    print("| KV dtype | block size | ms / layer | GB/s of K/V | of sequential read |")
-    print("|---|---|---|---|---|")
+    if args.rounds > 0:
+        return compare_dtypes(args)
+    reads = [sequential_read_gbps()]
+    result: dict[str, Any] = {"cpu": cpu_name(), "threads": args.threads, "batch": args.batch,
+                              "length": args.length, "runs": []}
+    print(f"decode attention {args.batch} x {args.length}, {args.threads} threads "
+          f"(sequential read at the start: {reads[0]:.1f} GB/s)")
     for kv_dtype in args.kv_dtypes.split(","):
         for block_size in (int(b) for b in args.block_sizes.split(",")):
             row = decode_step(kv_dtype, block_size, args.batch, args.length)
-            result["runs"].append({"kv_dtype": kv_dtype, "block_size": block_size, **row})  # type: ignore[attr-defined]
-            print(f"| {kv_dtype} | {block_size} | {row['ms_per_layer']:.3f} | {row['gbps']:.1f} | "
-                  f"{row['gbps'] / read:.0%} |", flush=True)
+            result["runs"].append({"kv_dtype": kv_dtype, "block_size": block_size, **row})
+            print(f"  {kv_dtype} block {block_size}: {row['ms_per_layer']:.3f} ms / layer", flush=True)
+    # the denominator: the best sequential read of the run (this VM's speed moves between runs)
+    reads.append(sequential_read_gbps())
+    read = result["sequential_read_gbps"] = max(reads)
+    result["sequential_read_samples_gbps"] = reads
+    print(f"sequential read: {read:.1f} GB/s (best of {', '.join(f'{r:.1f}' for r in reads)})")
+    print("| KV dtype | block size | ms / layer | GB/s of K/V | of sequential read |")
+    print("|---|---|---|---|---|")
+    for run in result["runs"]:
+        print(f"| {run['kv_dtype']} | {run['block_size']} | {run['ms_per_layer']:.3f} | {run['gbps']:.1f} | "
+              f"{run['gbps'] / read:.0%} |")
     # hot: one thread, one 2 x 512-token pool read again and again from cache: the kernel's compute
     torch.set_num_threads(1)
     print("\nhot pool (1 thread, 2 x 512 tokens, block 16, in cache):")
@@ -145,6 +185,23 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
+
+
+def compare_dtypes(args: argparse.Namespace) -> None:
+    dtypes = args.kv_dtypes.split(",")
+    rows = []
+    print(f"decode attention {args.batch} x {args.length}, {args.threads} threads, {args.rounds} rounds alternating")
+    print("| block size | " + " | ".join(f"{d} ms / layer (vs {dtypes[0]})" for d in dtypes) + " |")
+    print("|---" * (len(dtypes) + 1) + "|")
+    for block_size in (int(b) for b in args.block_sizes.split(",")):
+        found = interleaved(dtypes, block_size, args.batch, args.length, args.rounds)
+        rows += found
+        print(f"| {block_size} | " + " | ".join(f"{r['ms_per_layer']:.3f} ({r['ratio']:.2f}x)" for r in found) + " |",
+              flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads, "batch": args.batch,
+                                        "length": args.length, "rounds": args.rounds, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":
