@@ -210,26 +210,29 @@ static inline void score_rows(const float* qf, int64_t group, int64_t dim, const
 }
 
 // acc[g] += sum_t weights[g * stride + t] * rows[t] for the group's outputs acc [group, dim];
-// rows of T where rows_widened<T>(dim).
+// rows of T where rows_widened<T>(dim). Only dims [0, width) where width is given (>= 0): rows
+// and outputs stay dim apart (int4 values, whose weights differ per group of dims).
 template <typename T>
 static inline void accumulate_rows(const float* weights, int64_t stride, int64_t group, int64_t dim, const T* rows,
-                                   int64_t n, float* acc) {
+                                   int64_t n, float* acc, int64_t width = -1) {
+  if (width < 0) width = dim;
 #if defined(KVSERVE_AVX2_ROWS)
   if constexpr (kWidens8<T>) {
-    if (dim % 8 == 0)
+    if (width % 8 == 0)
       return by_head_triples(group, [&](auto gb, int64_t g) {
         constexpr int GB = decltype(gb)::value, S = GB == 1 ? 8 : 4;
         int64_t c = 0;
-        for (; c + 8 * S <= dim; c += 8 * S)
+        for (; c + 8 * S <= width; c += 8 * S)
           accumulate_widened<GB, S>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
-        for (; c < dim; c += 8) accumulate_widened<GB, 1>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c < width; c += 8) accumulate_widened<GB, 1>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
       });
   } else if constexpr (std::is_same_v<T, float>) {
-    if (dim % 8 == 0) {
+    if (width % 8 == 0) {
       for (int64_t g = 0; g < group; ++g) {
         int64_t c = 0;
-        for (; c + 64 <= dim; c += 64) accumulate_dims<8>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
-        for (; c < dim; c += 8) accumulate_dims<1>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c + 64 <= width; c += 64) accumulate_dims<8>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c + 32 <= width; c += 32) accumulate_dims<4>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c < width; c += 8) accumulate_dims<1>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
       }
       return;
     }
@@ -239,7 +242,7 @@ static inline void accumulate_rows(const float* weights, int64_t stride, int64_t
     for (int64_t g = 0; g < group; ++g) {
       const float p = weights[g * stride + t];
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * static_cast<float>(rows[t * dim + d]);
+      for (int64_t d = 0; d < width; ++d) acc[g * dim + d] += p * static_cast<float>(rows[t * dim + d]);
     }
 }
 
