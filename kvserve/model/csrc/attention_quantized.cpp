@@ -155,11 +155,15 @@ struct QuantPool {
     }
   }
 
+  // Whether block blk of a sequence of len tokens is a partial last block kept in full precision
+  // in the sequence's tail slot (where the pool keeps one).
+  bool in_tail(int64_t len, int64_t blk) const { return tail != nullptr && len - blk * block_size < block_size; }
+
   // Block blk of a sequence of len tokens (table: its block ids), head j, as float32 rows;
   // a partial last block comes from the tail slot when the pool keeps one. Returns the rows.
   int64_t tile(const int64_t* table, int64_t blk, int64_t len, int64_t tail_slot, int64_t j, float* dst) const {
     const int64_t n = std::min(block_size, len - blk * block_size);
-    if (tail != nullptr && n < block_size) tail_rows(tail_slot, j, n, dst);
+    if (in_tail(len, blk)) tail_rows(tail_slot, j, n, dst);
     else block_rows(table[blk], j, n, dst);
     return n;
   }
@@ -256,9 +260,6 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
   __m512 q[G][NV], qs[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) q[g][i] = _mm512_loadu_ps(qf + g * dim + 16 * i);
-  auto tail_block = [&](int64_t blk) {  // a partial last block kept in full precision
-    return pool.tail != nullptr && len - blk * bs < bs;
-  };
   auto scale_query = [&](const float* scale, float unit) {
     for (int i = 0; i < NV; ++i) {
       const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), _mm512_set1_ps(unit));
@@ -270,7 +271,7 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
   }
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * bs, n = std::min(bs, len - first);
-    if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || tail_block(blk)) {
+    if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || pool.in_tail(len, blk)) {
       tile_rows<NV, G>(pool, table, blk, len, tail_slot, h, q, probs, tile);
       continue;
     }
@@ -305,7 +306,7 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
     for (int i = 0; i < NV; ++i) a[g][i] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * bs, n = std::min(bs, len - first);
-    if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || tail_block(blk)) {
+    if (KIND == kF32 || KIND == kF16 || KIND == kBF16 || pool.in_tail(len, blk)) {
       tile_rows<NV, G>(pool, table, blk, len, tail_slot, kv_heads + h, a, probs, tile);
       continue;
     }
@@ -935,7 +936,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
   const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2;
-  auto whole = [&](int64_t blk) { return !codes || (pool.tail != nullptr && len - blk * bs < bs); };
+  auto whole = [&](int64_t blk) { return !codes || pool.in_tail(len, blk); };
   // int8/fp8 codes read in place where the row loops widen them (AVX2), else through the tile:
   // fn(the rows of head j from pos on, typed by their kind)
   const bool in_place = codes && rows_widened<int8_t>(dim);
@@ -979,7 +980,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, first + bs), bytes);
       prefetch_row(pool.row_at(table, kv_heads + h, first), bytes);
     }
-    if (pool.kind == kI4 && !(pool.tail != nullptr && n < bs)) {
+    if (pool.kind == kI4 && !pool.in_tail(len, blk)) {
       // q . (step * code + minimum) = (q * step) . code + q . minimum: the block's key affine
       // folded into the query, the codes left unscaled in the tile (no affine pass over it)
       thread_local std::vector<float> affine;
@@ -1026,7 +1027,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t n = std::min(bs, len - blk * bs);
-    if (pool.kind == kI4 && !(pool.tail != nullptr && n < bs)) {
+    if (pool.kind == kI4 && !pool.in_tail(len, blk)) {
       // p * (step * code + minimum) per group of dims: the steps folded into the weights, the
       // codes unscaled in the tile, each head's sum of p * minimum added to its group's outputs
       const int64_t groups = pool.groups, width = dim / groups;

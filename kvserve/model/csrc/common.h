@@ -263,14 +263,12 @@ static inline __m256 widen8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-#if defined(__F16C__)
-static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#endif
 // int8 codes (a quantized pool's, unscaled) by sign extension.
 static inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #if defined(__F16C__)
+static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // fp8 codes through float16 (a table lookup per code took 2.5x the int8 job's time on a Zen 3):
 // e5m2 is float16's top byte; e4m3's bits shifted into float16's fields give the value / 256,
 // subnormals included.
