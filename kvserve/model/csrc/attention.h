@@ -72,16 +72,16 @@ static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// acc[0, 8 * NA) += sum_t weights[t] * rows[t][0, 8 * NA) (rows dim apart), in registers.
+// acc[0, 8 * NA) += sum_t weights[t] * rows[t][0, 8 * NA) (rows row_stride apart), in registers.
 template <int NA>
-static inline void accumulate_dims(const float* weights, const float* rows, int64_t n, int64_t dim, float* acc) {
+static inline void accumulate_dims(const float* weights, const float* rows, int64_t n, int64_t row_stride, float* acc) {
   __m256 a[NA];
   KVSERVE_UNROLL
   for (int i = 0; i < NA; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
   for (int64_t t = 0; t < n; ++t) {
     const __m256 p = _mm256_broadcast_ss(weights + t);
     KVSERVE_UNROLL
-    for (int i = 0; i < NA; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + t * dim + 8 * i), a[i]);
+    for (int i = 0; i < NA; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + t * row_stride + 8 * i), a[i]);
   }
   KVSERVE_UNROLL
   for (int i = 0; i < NA; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
@@ -89,7 +89,8 @@ static inline void accumulate_dims(const float* weights, const float* rows, int6
 
 template <typename T>
 constexpr bool kWidens8 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half> || std::is_same_v<T, int8_t> ||
-                         std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
+                         std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2> || std::is_same_v<T, Int4Low> ||
+                         std::is_same_v<T, Int4High>;
 
 // fn(std::integral_constant<int, GB>{}, first) for the heads [0, group) in runs of GB <= 3
 // (what AVX2's 16 registers hold: 4 rows' sums, or 4 vectors of outputs, for each head).
@@ -136,10 +137,11 @@ static void score_rows_widened(const float* q, int64_t dim, const T* rows, int64
 }
 
 // acc[g * dim + d] += sum_t weights[g * stride + t] * rows[t][d] for GB heads and the S x 8
-// dims d from 0: outputs in registers over the rows, each row's S vectors widened once.
+// dims d from 0 (rows row_stride apart): outputs in registers over the rows, each row's S
+// vectors widened once.
 template <int GB, int S, typename T>
-static inline void accumulate_widened(const float* weights, int64_t stride, const T* rows, int64_t n, int64_t dim,
-                                      float* acc) {
+static inline void accumulate_widened(const float* weights, int64_t stride, const T* rows, int64_t row_stride, int64_t n,
+                                      int64_t dim, float* acc) {
   __m256 a[GB][S];
   KVSERVE_UNROLL
   for (int g = 0; g < GB; ++g)
@@ -151,7 +153,7 @@ static inline void accumulate_widened(const float* weights, int64_t stride, cons
     for (int g = 0; g < GB; ++g) p[g] = _mm256_broadcast_ss(weights + g * stride + t);
     KVSERVE_UNROLL
     for (int i = 0; i < S; ++i) {
-      const __m256 v = widen8(rows + t * dim + 8 * i);
+      const __m256 v = widen8(rows + t * row_stride + 8 * i);
       KVSERVE_UNROLL
       for (int g = 0; g < GB; ++g) a[g][i] = _mm256_fmadd_ps(p[g], v, a[g][i]);
     }
@@ -210,12 +212,14 @@ static inline void score_rows(const float* qf, int64_t group, int64_t dim, const
 }
 
 // acc[g] += sum_t weights[g * stride + t] * rows[t] for the group's outputs acc [group, dim];
-// rows of T where rows_widened<T>(dim). Only dims [0, width) where width is given (>= 0): rows
-// and outputs stay dim apart (int4 values, whose weights differ per group of dims).
+// rows of T where rows_widened<T>(dim). Only dims [0, width) where width is given (>= 0), with
+// rows row_stride elements apart where that is given (int4 values, whose weights differ per
+// group of dims and whose packed rows are two half-rows of nibbles); outputs stay dim apart.
 template <typename T>
 static inline void accumulate_rows(const float* weights, int64_t stride, int64_t group, int64_t dim, const T* rows,
-                                   int64_t n, float* acc, int64_t width = -1) {
+                                   int64_t n, float* acc, int64_t width = -1, int64_t row_stride = -1) {
   if (width < 0) width = dim;
+  if (row_stride < 0) row_stride = dim;
 #if defined(KVSERVE_AVX2_ROWS)
   if constexpr (kWidens8<T>) {
     if (width % 8 == 0)
@@ -223,16 +227,19 @@ static inline void accumulate_rows(const float* weights, int64_t stride, int64_t
         constexpr int GB = decltype(gb)::value, S = GB == 1 ? 8 : 4;
         int64_t c = 0;
         for (; c + 8 * S <= width; c += 8 * S)
-          accumulate_widened<GB, S>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
-        for (; c < width; c += 8) accumulate_widened<GB, 1>(weights + g * stride, stride, rows + c, n, dim, acc + g * dim + c);
+          accumulate_widened<GB, S>(weights + g * stride, stride, rows + c, row_stride, n, dim, acc + g * dim + c);
+        for (; c < width; c += 8)
+          accumulate_widened<GB, 1>(weights + g * stride, stride, rows + c, row_stride, n, dim, acc + g * dim + c);
       });
   } else if constexpr (std::is_same_v<T, float>) {
     if (width % 8 == 0) {
       for (int64_t g = 0; g < group; ++g) {
+        const float* w = weights + g * stride;
+        float* out = acc + g * dim;
         int64_t c = 0;
-        for (; c + 64 <= width; c += 64) accumulate_dims<8>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
-        for (; c + 32 <= width; c += 32) accumulate_dims<4>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
-        for (; c < width; c += 8) accumulate_dims<1>(weights + g * stride, rows + c, n, dim, acc + g * dim + c);
+        for (; c + 64 <= width; c += 64) accumulate_dims<8>(w, rows + c, n, row_stride, out + c);
+        for (; c + 32 <= width; c += 32) accumulate_dims<4>(w, rows + c, n, row_stride, out + c);
+        for (; c < width; c += 8) accumulate_dims<1>(w, rows + c, n, row_stride, out + c);
       }
       return;
     }
@@ -242,7 +249,7 @@ static inline void accumulate_rows(const float* weights, int64_t stride, int64_t
     for (int64_t g = 0; g < group; ++g) {
       const float p = weights[g * stride + t];
 #pragma omp simd
-      for (int64_t d = 0; d < width; ++d) acc[g * dim + d] += p * static_cast<float>(rows[t * dim + d]);
+      for (int64_t d = 0; d < width; ++d) acc[g * dim + d] += p * static_cast<float>(rows[t * row_stride + d]);
     }
 }
 

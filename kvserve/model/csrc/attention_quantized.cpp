@@ -845,17 +845,20 @@ static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query) {
 #endif
 
 #if defined(KVSERVE_AVX2_ROWS)
-// int8 keys in integer dot products on AVX2 (no VNNI): a query row rounded to int16 against its
-// largest element, q ~ q16 * step, times the codes widened to int16, two products per 32-bit lane
-// (vpmaddwd): exact int32 sums for head_dim up to 256 (256 x 127 x 32767 < 2^31). Per 16 channels
-// that is one widening, shared by up to 3 query heads, then a multiply-add and an add per head,
-// where the float tile took a widening, a conversion and a store per 8, then an FMA per 8 per head.
-// Head dims 64-256, as the VNNI job takes: smaller heads (the tests' tiny models) stay on the
-// float tile, where the 16-bit query's rounding would show in runs the tests compare token for token.
+// int8 and int4 keys in integer dot products on AVX2 (no VNNI): a query row rounded to int16
+// against its largest element, q ~ q16 * step, times the codes widened to int16, two products per
+// 32-bit lane (vpmaddwd): exact int32 sums for head_dim up to 256 (256 x 127 x 32767 < 2^31). Per
+// 16 int8 channels that is one widening, shared by up to 3 query heads, then a multiply-add and an
+// add per head, where the float tile took a widening, a conversion and a store per 8, then an FMA
+// per 8 per head; per 16 int4 bytes (32 channels: d and d + dim/2) one widening, a mask and a
+// shift, then two multiply-adds per head. Head dims 64-256, as the VNNI job takes: smaller heads
+// (the tests' tiny models) stay on the float tile, where the 16-bit query's rounding would show
+// in runs the tests compare token for token.
 constexpr int64_t kMinIntKeyDim = 64, kMaxIntKeyDim = 256;
 
-static inline bool int8_keys_in_integers(const QuantPool& pool) {
-  return pool.kind == kI8 && pool.dim % 16 == 0 && pool.dim >= kMinIntKeyDim && pool.dim <= kMaxIntKeyDim;
+static inline bool keys_in_integers(const QuantPool& pool) {
+  const int64_t lanes = pool.kind == kI8 ? 16 : pool.kind == kI4 ? 32 : 0;  // channels per widening
+  return lanes != 0 && pool.dim % lanes == 0 && pool.dim >= kMinIntKeyDim && pool.dim <= kMaxIntKeyDim;
 }
 
 // q16[g][d] = round(q[g][d] / step[g]), step[g] = max_d |q[g][d]| / 32767 (1 for a zero row).
@@ -869,12 +872,14 @@ static void round_queries_int16(const float* q, int64_t group, int64_t dim, int1
   }
 }
 
-// scores[g * stride + t] = step[g] * (q16[g] . keys[t]) for GB query heads and n int8 key rows
-// (row_bytes apart): 4 rows at a time, each 16 channels widened once for the GB heads, whose
-// 4 x GB int32 sums stay in registers and are reduced together (a hadd tree) at the end.
-template <int GB>
-static void score_rows_int8(const int16_t* q16, const float* step, int64_t dim, const int8_t* keys,
-                            int64_t row_bytes, int64_t n, float* scores, int64_t stride) {
+// scores[g * stride + t] = step[g] * (q16[g] . keys[t]) for GB query heads and n key rows
+// (row_bytes apart) of int8 codes, or of int4 ones (kInt4: unsigned nibbles, channel d in byte d's
+// low half and d + dim/2 in its high one): 4 rows at a time, each 16 bytes widened once for the
+// GB heads, whose 4 x GB int32 sums stay in registers and are reduced together (a hadd tree) at the end.
+template <int GB, bool kInt4>
+static void score_rows_int(const int16_t* q16, const float* step, int64_t dim, const uint8_t* keys,
+                           int64_t row_bytes, int64_t n, float* scores, int64_t stride) {
+  const int64_t half = dim / 2, bytes = kInt4 ? half : dim;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     __m256i s[GB][4];
@@ -882,15 +887,23 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t dim, 
     for (int g = 0; g < GB; ++g)
       KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) s[g][j] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < dim; c += 16)
+    for (int64_t c = 0; c < bytes; c += 16)
       KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) {
-        const __m256i k = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + (t + j) * row_bytes + c)));
-        KVSERVE_UNROLL
-        for (int g = 0; g < GB; ++g)
-          s[g][j] = _mm256_add_epi32(s[g][j], _mm256_madd_epi16(
-              k, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * dim + c))));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + (t + j) * row_bytes + c));
+        auto q_at = [&](int g, int64_t d) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * dim + d)); };
+        if constexpr (kInt4) {
+          const __m256i k = _mm256_cvtepu8_epi16(raw);
+          const __m256i low = _mm256_and_si256(k, _mm256_set1_epi16(15)), high = _mm256_srli_epi16(k, 4);
+          KVSERVE_UNROLL
+          for (int g = 0; g < GB; ++g)
+            s[g][j] = _mm256_add_epi32(s[g][j], _mm256_add_epi32(_mm256_madd_epi16(low, q_at(g, c)),
+                                                                 _mm256_madd_epi16(high, q_at(g, half + c))));
+        } else {
+          const __m256i k = _mm256_cvtepi8_epi16(raw);
+          KVSERVE_UNROLL
+          for (int g = 0; g < GB; ++g) s[g][j] = _mm256_add_epi32(s[g][j], _mm256_madd_epi16(k, q_at(g, c)));
+        }
       }
     KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g) {
@@ -902,61 +915,119 @@ static void score_rows_int8(const int16_t* q16, const float* step, int64_t dim, 
   for (; t < n; ++t)
     KVSERVE_UNROLL
     for (int g = 0; g < GB; ++g) {
+      const uint8_t* row = keys + t * row_bytes;
       int32_t sum = 0;
-      for (int64_t d = 0; d < dim; ++d) sum += static_cast<int32_t>(q16[g * dim + d]) * keys[t * row_bytes + d];
+      for (int64_t d = 0; d < dim; ++d) {
+        const int32_t code = !kInt4 ? static_cast<int8_t>(row[d]) : d < half ? row[d] & 15 : row[d - half] >> 4;
+        sum += static_cast<int32_t>(q16[g * dim + d]) * code;
+      }
       scores[g * stride + t] = static_cast<float>(sum) * step[g];
     }
 }
 
 // All `group` heads, two at a time: 8 sums in registers (three, 12 of AVX2's 16, left GCC
 // spilling some of them to the stack in the loop: 3-9% slower hot on a Zen 3).
-static void score_rows_int8(const int16_t* q16, const float* step, int64_t group, int64_t dim, const int8_t* keys,
-                            int64_t row_bytes, int64_t n, float* scores, int64_t stride) {
+template <bool kInt4>
+static void score_rows_int(const int16_t* q16, const float* step, int64_t group, int64_t dim, const uint8_t* keys,
+                           int64_t row_bytes, int64_t n, float* scores, int64_t stride) {
   int64_t g = 0;
   for (; g + 2 <= group; g += 2)
-    score_rows_int8<2>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
-  if (g < group) score_rows_int8<1>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
+    score_rows_int<2, kInt4>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
+  if (g < group) score_rows_int<1, kInt4>(q16 + g * dim, step + g, dim, keys, row_bytes, n, scores + g * stride, stride);
 }
 #endif
 
 constexpr int64_t kCodeSliceRows = 16;  // 1 KB of 8-bit keys at head_dim 64: the float job's 8 bf16 rows
 
+// acc[g] += sum_t p[g * stride + t] * value[t] over the n int4 value rows of block blk of head h:
+// per group of dims, the steps folded into the weights and each head's sum of p * minimum added
+// to that group's outputs. The codes in place (in_place: the low nibbles as the first half-row,
+// the high ones as the second, a group's dims cut where the halves meet), else unscaled in the tile.
+static void accumulate_int4_values(const QuantPool& pool, const int64_t* table, int64_t blk, int64_t n, int64_t h,
+                                   int64_t group, const float* p, int64_t stride, bool in_place, float* acc,
+                                   float* tile) {
+  const int64_t bs = pool.block_size, dim = pool.dim, half = dim / 2, groups = pool.groups, width = dim / groups;
+  thread_local std::vector<float> affines, steps, lows, weights;  // [token][group][step, minimum]; [group][token]
+  affines.resize(bs * groups * 2);
+  steps.resize(bs * groups);
+  lows.resize(bs * groups);
+  weights.resize(group * bs);
+  to_float(pool.value_affine + pool.token_index(table, h, blk * bs) * groups * 2, affines.data(), n * groups * 2);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t k = 0; k < groups; ++k) {
+      steps[k * bs + t] = affines[(t * groups + k) * 2];
+      lows[k * bs + t] = affines[(t * groups + k) * 2 + 1];
+    }
+  const uint8_t* rows = pool.row_at(table, pool.kv_heads + h, blk * bs);
+  if (!in_place) pool.code_rows(table[blk], pool.kv_heads + h, n, tile);
+  for (int64_t k = 0; k < groups; ++k) {
+    const float* step = steps.data() + k * bs;
+    const float* low = lows.data() + k * bs;
+    for (int64_t g = 0; g < group; ++g) {
+      float* w = weights.data() + g * bs;
+      float shift = 0.f;
+#pragma omp simd reduction(+ : shift)
+      for (int64_t t = 0; t < n; ++t) {
+        w[t] = p[g * stride + t] * step[t];
+        shift += p[g * stride + t] * low[t];
+      }
+      for (int64_t d = k * width; d < (k + 1) * width; ++d) acc[g * dim + d] += shift;
+    }
+    const int64_t begin = k * width, end = begin + width;
+    if (!in_place) {
+      accumulate_rows(weights.data(), bs, group, dim, tile + begin, n, acc + begin, width);
+      continue;
+    }
+    if (begin < half)  // low nibbles: dims [begin, min(end, half)) from byte begin
+      accumulate_rows(weights.data(), bs, group, dim, reinterpret_cast<const Int4Low*>(rows) + begin, n, acc + begin,
+                      std::min(end, half) - begin, pool.row_bytes);
+    if (end > half) {  // high nibbles: dims [max(begin, half), end) from byte max(begin, half) - half
+      const int64_t from = std::max(begin, half);
+      accumulate_rows(weights.data(), bs, group, dim, reinterpret_cast<const Int4High*>(rows) + from - half, n,
+                      acc + from, end - from, pool.row_bytes);
+    }
+  }
+}
+
 // The portable job over a quantized pool (the reference for the vector one): each block
-// decoded into a float32 tile, then the float path's score_rows / accumulate_rows. int8 and fp8
-// blocks stay unscaled in the tile, as in the vector job: the key scales are folded into the
-// queries (per block where they are per block) and each value's scale into its weights (a
-// separate scaling pass over the tile was a third of this job's time on a Zen 3); with AVX2,
-// int8 and fp8 codes skip the tile (widened in registers; int8 keys in int16 products). int4
-// codes stay unscaled in the tile too: a block's key steps folded into the query and q . minimum
-// added to its scores, each value's steps into its weights per group of dims and p . minimum
-// added to that group's outputs (an affine pass over the tile was 1.2-1.3x the time at 64- and
-// 128-token blocks). Float kinds and a tail block are dequantized whole. The key pass
+// decoded into a float32 tile, then the float path's score_rows / accumulate_rows. Codes stay
+// unscaled, as in the vector job: the key scales are folded into the queries (per block where
+// they are per block) and each value's scale into its weights (a separate scaling pass over the
+// tile was a third of this job's time on a Zen 3). int4's affines likewise: a block's key steps
+// folded into the query and q . minimum added to its scores, each value's steps into its weights
+// per group of dims and p . minimum added to that group's outputs (an affine pass over the tile
+// was 1.2-1.3x the time at 64- and 128-token blocks). With AVX2 the codes skip the tile: read in
+// place and widened in registers (int8 and int4 keys in int16 products; int4 values as two
+// half-rows of nibbles). Float kinds and a tail block are dequantized whole. The key pass
 // prefetches per slice of codes read in place, else per block.
 static void decode_quant_scalar(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
                                 int64_t tail_slot, int64_t h, int64_t group, float* probs, float* acc, float* tile) {
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
-  const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2;
+  const bool int4 = pool.kind == kI4;
+  const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2 || int4;
   auto whole = [&](int64_t blk) { return !codes || pool.in_tail(len, blk); };
-  // int8/fp8 codes read in place where the row loops widen them (AVX2), else through the tile:
-  // fn(the rows of head j from pos on, typed by their kind)
-  const bool in_place = codes && rows_widened<int8_t>(dim);
+  thread_local std::vector<float> scaled, weights;
+  scaled.resize(group * dim);
+  weights.resize(group * bs);
+#if defined(KVSERVE_AVX2_ROWS)
+  const bool int_keys = keys_in_integers(pool);
+  thread_local std::vector<int16_t> q16;
+  thread_local std::vector<float> q_step;
+  q16.resize(group * dim);
+  q_step.resize(group);
+#else
+  const bool int_keys = false;
+#endif
+  // codes read in place where the row loops widen them (AVX2; int4: where its keys go in integers)
+  const bool in_place = int4 ? int_keys : codes && rows_widened<int8_t>(dim);
+  // fn(the rows of head j from pos on, typed by their kind): int8 and fp8 codes
   auto code_rows_at = [&](int64_t j, int64_t pos, const auto& fn) {
     const uint8_t* rows = pool.row_at(table, j, pos);
     if (pool.kind == kI8) return fn(reinterpret_cast<const int8_t*>(rows));
     if (pool.kind == kE4M3) return fn(reinterpret_cast<const Fp8E4M3*>(rows));
     return fn(reinterpret_cast<const Fp8E5M2*>(rows));
   };
-  thread_local std::vector<float> scaled, weights;
-  scaled.resize(group * dim);
-  weights.resize(group * bs);
-#if defined(KVSERVE_AVX2_ROWS)
-  const bool int_keys = int8_keys_in_integers(pool);
-  thread_local std::vector<int16_t> q16;
-  thread_local std::vector<float> q_step;
-  q16.resize(group * dim);
-  q_step.resize(group);
-#endif
-  // the query heads times the key scales (int8/fp8 codes), and their int16 form for integer keys
+  // the query heads times the key scales (int8/fp8 codes; int4: steps), and their int16 form for integer keys
   auto scale_queries = [&](const float* key_scales) {
     for (int64_t g = 0; g < group; ++g)
 #pragma omp simd
@@ -967,12 +1038,14 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
   };
   if (codes && pool.key_scales != nullptr && !pool.key_per_block) scale_queries(pool.key_scale_row(0, h));
 #if defined(KVSERVE_AVX2_ROWS)
-  if (int_keys && pool.key_scales == nullptr) round_queries_int16(qf, group, dim, q16.data(), q_step.data());
+  if (int_keys && pool.key_scales == nullptr && !int4) round_queries_int16(qf, group, dim, q16.data(), q_step.data());
 #endif
   // codes in place go kCodeSliceRows at a time, each slice prefetching its values and the key
   // rows ahead (prefetch_key_pass); tiles a block at a time, prefetching 2 KB of the next
   // block's keys and of this block's values
   const int64_t coded_len = pool.tail != nullptr ? len - len % bs : len;
+  thread_local std::vector<float> affine;  // int4: a block's key (step, minimum) per channel
+  affine.resize(2 * dim);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * bs, n = std::min(bs, len - first);
     if (!in_place || whole(blk)) {
@@ -980,15 +1053,39 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       if (blk + 1 < num_blocks) prefetch_row(pool.row_at(table, h, first + bs), bytes);
       prefetch_row(pool.row_at(table, kv_heads + h, first), bytes);
     }
-    if (pool.kind == kI4 && !pool.in_tail(len, blk)) {
-      // q . (step * code + minimum) = (q * step) . code + q . minimum: the block's key affine
-      // folded into the query, the codes left unscaled in the tile (no affine pass over it)
-      thread_local std::vector<float> affine;
-      affine.resize(2 * dim);
+    if (whole(blk)) {
+      pool.tile(table, blk, len, tail_slot, h, tile);
+      score_rows(qf, group, dim, tile, n, probs + first, len);
+      continue;
+    }
+    // q . (step * code + minimum) = (q * step) . code + q . minimum (int4: the block's key
+    // affine folded into the query, its scores then shifted by q . minimum)
+    if (int4) {
       to_float(pool.key_affine + (table[blk] * kv_heads + h) * 2 * dim, affine.data(), 2 * dim);
       scale_queries(affine.data());
+    } else if (pool.key_scales != nullptr && pool.key_per_block) {
+      scale_queries(pool.key_scale_row(table[blk], h));
+    }
+    const float* q = int4 || pool.key_scales != nullptr ? scaled.data() : qf;
+    if (in_place) {
+      for (int64_t r0 = 0; r0 < n; r0 += kCodeSliceRows) {
+        const int64_t m = std::min(kCodeSliceRows, n - r0);
+        prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
+#if defined(KVSERVE_AVX2_ROWS)
+        if (int_keys) {
+          const uint8_t* rows = pool.row_at(table, h, first + r0);
+          if (int4) score_rows_int<true>(q16.data(), q_step.data(), group, dim, rows, pool.row_bytes, m, probs + first + r0, len);
+          else score_rows_int<false>(q16.data(), q_step.data(), group, dim, rows, pool.row_bytes, m, probs + first + r0, len);
+          continue;
+        }
+#endif
+        code_rows_at(h, first + r0, [&](const auto* rows) { score_rows(q, group, dim, rows, m, probs + first + r0, len); });
+      }
+    } else {
       pool.code_rows(table[blk], h, n, tile);
-      score_rows(scaled.data(), group, dim, tile, n, probs + first, len);
+      score_rows(q, group, dim, tile, n, probs + first, len);
+    }
+    if (int4)
       for (int64_t g = 0; g < group; ++g) {
         float bias = 0.f;
 #pragma omp simd reduction(+ : bias)
@@ -996,73 +1093,18 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
 #pragma omp simd
         for (int64_t t = 0; t < n; ++t) probs[g * len + first + t] += bias;
       }
-      continue;
-    }
-    if (whole(blk)) {
-      pool.tile(table, blk, len, tail_slot, h, tile);
-      score_rows(qf, group, dim, tile, n, probs + first, len);
-      continue;
-    }
-    if (pool.key_scales != nullptr && pool.key_per_block) scale_queries(pool.key_scale_row(table[blk], h));
-    const float* q = pool.key_scales != nullptr ? scaled.data() : qf;
-    if (in_place) {
-      for (int64_t r0 = 0; r0 < n; r0 += kCodeSliceRows) {
-        const int64_t m = std::min(kCodeSliceRows, n - r0);
-        prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
-        code_rows_at(h, first + r0, [&](const auto* rows) {
-#if defined(KVSERVE_AVX2_ROWS)
-          if constexpr (std::is_same_v<decltype(rows), const int8_t*>)
-            if (int_keys)
-              return score_rows_int8(q16.data(), q_step.data(), group, dim, rows, dim, m, probs + first + r0, len);
-#endif
-          score_rows(q, group, dim, rows, m, probs + first + r0, len);
-        });
-      }
-      continue;
-    }
-    pool.code_rows(table[blk], h, n, tile);
-    score_rows(q, group, dim, tile, n, probs + first, len);
   }
   softmax_rows(probs, group, len);
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t n = std::min(bs, len - blk * bs);
-    if (pool.kind == kI4 && !pool.in_tail(len, blk)) {
-      // p * (step * code + minimum) per group of dims: the steps folded into the weights, the
-      // codes unscaled in the tile, each head's sum of p * minimum added to its group's outputs
-      const int64_t groups = pool.groups, width = dim / groups;
-      thread_local std::vector<float> affines, steps, lows;  // [token][group][step, minimum]; [group][token]
-      affines.resize(bs * groups * 2);
-      steps.resize(bs * groups);
-      lows.resize(bs * groups);
-      to_float(pool.value_affine + pool.token_index(table, h, blk * bs) * groups * 2, affines.data(), n * groups * 2);
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t k = 0; k < groups; ++k) {
-          steps[k * bs + t] = affines[(t * groups + k) * 2];
-          lows[k * bs + t] = affines[(t * groups + k) * 2 + 1];
-        }
-      pool.code_rows(table[blk], kv_heads + h, n, tile);
-      for (int64_t k = 0; k < groups; ++k) {
-        const float* step = steps.data() + k * bs;
-        const float* low = lows.data() + k * bs;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* p = probs + g * len + blk * bs;
-          float* w = weights.data() + g * bs;
-          float shift = 0.f;
-#pragma omp simd reduction(+ : shift)
-          for (int64_t t = 0; t < n; ++t) {
-            w[t] = p[t] * step[t];
-            shift += p[t] * low[t];
-          }
-          for (int64_t d = k * width; d < (k + 1) * width; ++d) acc[g * dim + d] += shift;
-        }
-        accumulate_rows(weights.data(), bs, group, dim, tile + k * width, n, acc + k * width, width);
-      }
-      continue;
-    }
     if (whole(blk)) {
       pool.tile(table, blk, len, tail_slot, kv_heads + h, tile);
       accumulate_rows(probs + blk * bs, len, group, dim, tile, n, acc);
+      continue;
+    }
+    if (int4) {
+      accumulate_int4_values(pool, table, blk, n, h, group, probs + blk * bs, len, in_place, acc, tile);
       continue;
     }
     if (!in_place) pool.code_rows(table[blk], kv_heads + h, n, tile);

@@ -256,6 +256,16 @@ struct Fp8E5M2 {
     return static_cast<float>(c10::Half(static_cast<uint16_t>(bits << 8), c10::Half::from_bits()));
   }
 };
+// A pool's int4 codes (0..15, unscaled) as row elements: channel d sits in byte d's low nibble and
+// channel d + dim/2 in its high one, so a packed row is read as two half-rows over the same bytes.
+struct Int4Low {
+  uint8_t bits;
+  explicit operator float() const { return static_cast<float>(bits & 15); }
+};
+struct Int4High {
+  uint8_t bits;
+  explicit operator float() const { return static_cast<float>(bits >> 4); }
+};
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // 8 elements as float32 (CPUs without AVX-512): bf16 by a 16-bit shift, float16 by F16C.
@@ -267,6 +277,14 @@ static inline __m256 widen8(const c10::BFloat16* p) {
 static inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// int4 nibbles by zero extension, then a mask (low) or a shift (high).
+static inline __m256i widen8_bytes(const void* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 widen8(const Int4Low* p) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(widen8_bytes(p), _mm256_set1_epi32(15)));
+}
+static inline __m256 widen8(const Int4High* p) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(widen8_bytes(p), 4)); }
 #if defined(__F16C__)
 static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // fp8 codes through float16 (a table lookup per code took 2.5x the int8 job's time on a Zen 3):
