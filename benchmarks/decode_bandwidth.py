@@ -35,6 +35,7 @@ from kvserve.model.attention import fp8_table
 from kvserve.model.cpu_kernels import cpu_op
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
+KV_DTYPES = ("bf16", "int8", "int4", "fp8")
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -140,7 +141,7 @@ def interleaved(kv_dtypes: list[str], block_size: int, batch: int, length: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-dtypes", default="bf16,int8,int4,fp8")
+    parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
     parser.add_argument("--block-sizes", default="16,32,64,128")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=2048)
@@ -149,6 +150,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0,
                         help="compare the KV dtypes instead: their steps alternated for this many rounds")
     args = parser.parse_args()
+    unknown = sorted(set(args.kv_dtypes.split(",")) - set(KV_DTYPES))
+    if unknown:
+        parser.error(f"--kv-dtypes: unknown {', '.join(unknown)} (choose from {', '.join(KV_DTYPES)})")
     torch.set_num_threads(args.threads)
     if cpu_op("paged_decode_attention") is None:
         raise SystemExit("the C++ ops are not available here")

@@ -277,12 +277,14 @@ static inline __m256 widen8(const c10::BFloat16* p) {
 static inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// int4 nibbles by zero extension, then a mask (low) or a shift (high).
+// int4 nibbles by zero extension, then two shifts (low: a mask's constant took the register the
+// value loop's 12 sums, 3 weights and a row vector leave none for, and its sums went to the stack)
+// or one (high).
 static inline __m256i widen8_bytes(const void* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 static inline __m256 widen8(const Int4Low* p) {
-  return _mm256_cvtepi32_ps(_mm256_and_si256(widen8_bytes(p), _mm256_set1_epi32(15)));
+  return _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_slli_epi32(widen8_bytes(p), 28), 28));
 }
 static inline __m256 widen8(const Int4High* p) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(widen8_bytes(p), 4)); }
 #if defined(__F16C__)
