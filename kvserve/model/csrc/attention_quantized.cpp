@@ -48,9 +48,10 @@ struct QuantPool {
       case kE5M2: {
         int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
-        for (; d + 8 <= dim; d += 8)  // 8 codes at a time through float16 (widen8)
+        for (; d + 8 <= dim; d += 8)  // 8 codes at a time through float16 (widen8; e4m3 in its units)
           _mm256_storeu_ps(dst + d, kind == kE5M2 ? widen8(reinterpret_cast<const Fp8E5M2*>(src + d))
-                                                  : widen8(reinterpret_cast<const Fp8E4M3*>(src + d)));
+                                                  : _mm256_mul_ps(widen8(reinterpret_cast<const Fp8E4M3*>(src + d)),
+                                                                  _mm256_set1_ps(kE4M3Unit)));
 #endif
         for (; d < dim; ++d) dst[d] = lut[src[d]];
         break;
@@ -235,7 +236,7 @@ static inline void load_codes(const uint8_t* row, __m512 (&out)[NV]) {
 }
 
 template <int KIND>
-static constexpr float kFp8Unit = KIND == kE4M3 ? 256.f : 1.f;  // what load_codes' values must be scaled by
+static constexpr float kFp8Unit = KIND == kE4M3 ? kE4M3Unit : 1.f;  // what load_codes' values must be scaled by
 
 // Block blk's rows of head j through a float32 tile (float kinds of another dtype, a tail block
 // kept in full precision): keys (j < kv_heads) scored against reg, or values added into reg.
@@ -1049,6 +1050,9 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
 #endif
   // codes read in place where the row loops widen them (AVX2; int4: where its keys go in integers)
   const bool in_place = int4 ? int_keys : codes && rows_widened<int8_t>(dim);
+  // what codes read in place are scaled by (e4m3's widening gives value / kE4M3Unit): folded
+  // into the queries and the value weights
+  const float unit = in_place && pool.kind == kE4M3 ? kE4M3Unit : 1.f;
   // fn(the rows of head j from pos on, typed by their kind): int8 and fp8 codes
   auto code_rows_at = [&](int64_t j, int64_t pos, const auto& fn) {
     const uint8_t* rows = pool.row_at(table, j, pos);
@@ -1066,7 +1070,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       float* out = scaled.data() + g * dim;
       if (minimums == nullptr) {
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) out[d] = qg[d] * key_scales[d];
+        for (int64_t d = 0; d < dim; ++d) out[d] = qg[d] * (key_scales == nullptr ? unit : key_scales[d] * unit);
         continue;
       }
       float bias = 0.f;
@@ -1081,7 +1085,8 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
     if (int_keys) round_queries_int16(scaled.data(), group, dim, q16.data(), q_step.data());
 #endif
   };
-  if (codes && pool.key_scales != nullptr && !pool.key_per_block) scale_queries(pool.key_scale_row(0, h));
+  if (codes && !int4 && (pool.key_scales != nullptr || unit != 1.f) && !pool.key_per_block)
+    scale_queries(pool.key_scales != nullptr ? pool.key_scale_row(0, h) : nullptr);
 #if defined(KVSERVE_AVX2_ROWS)
   if (int_keys && pool.key_scales == nullptr && !int4) round_queries_int16(qf, group, dim, q16.data(), q_step.data());
 #endif
@@ -1111,7 +1116,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
     } else if (pool.key_scales != nullptr && pool.key_per_block) {
       scale_queries(pool.key_scale_row(table[blk], h));
     }
-    const float* q = int4 || pool.key_scales != nullptr ? scaled.data() : qf;
+    const float* q = int4 || pool.key_scales != nullptr || unit != 1.f ? scaled.data() : qf;
     if (in_place) {
       for (int64_t r0 = 0; r0 < n; r0 += kCodeSliceRows) {
         const int64_t m = std::min(kCodeSliceRows, n - r0);
@@ -1160,11 +1165,12 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
       const float* p = probs + g * len + blk * bs;
       float* w = weights.data() + g * bs;
       if (vs == nullptr) {
+        const float v_scale = pool.v_scale * unit;
 #pragma omp simd
-        for (int64_t t = 0; t < n; ++t) w[t] = p[t] * pool.v_scale;
+        for (int64_t t = 0; t < n; ++t) w[t] = p[t] * v_scale;
       } else {
 #pragma omp simd
-        for (int64_t t = 0; t < n; ++t) w[t] = p[t] * vs[t];
+        for (int64_t t = 0; t < n; ++t) w[t] = p[t] * vs[t] * unit;
       }
     }
     auto accumulate = [&](const auto* rows) { accumulate_rows(weights.data(), bs, group, dim, rows, n, acc); };

@@ -242,12 +242,15 @@ static auto by_group(int64_t group, const Make& make) -> decltype(make(std::inte
 #define KVSERVE_UNROLL _Pragma("GCC unroll 16")
 
 // A pool's fp8 codes as row elements, for the row loops that widen them in registers; float()
-// is the code's exact value (its bits through float16, as widen8 takes them).
+// is the code's value through float16, as widen8 takes it: exact for e5m2 (float16's top byte),
+// in units of kE4M3Unit for e4m3 (its bits shifted into float16's fields give value / 256), so
+// that the multiply back is folded into a query's or a weight's scale, not made per code.
+constexpr float kE4M3Unit = 256.f;
 struct Fp8E4M3 {
   uint8_t bits;
   explicit operator float() const {
     const auto half = static_cast<uint16_t>(((bits & 0x80) << 8) | ((bits & 0x7F) << 7));
-    return static_cast<float>(c10::Half(half, c10::Half::from_bits())) * 256.f;
+    return static_cast<float>(c10::Half(half, c10::Half::from_bits()));
   }
 };
 struct Fp8E5M2 {
@@ -296,10 +299,10 @@ static inline __m128i fp8_high_bytes(const void* p) {  // 8 codes, each the high
   return _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 static inline __m256 widen8(const Fp8E5M2* p) { return _mm256_cvtph_ps(fp8_high_bytes(p)); }
-static inline __m256 widen8(const Fp8E4M3* p) {
+static inline __m256 widen8(const Fp8E4M3* p) {  // in units of kE4M3Unit
   // an arithmetic shift right by one copies the sign into the top exponent bit, which the mask clears
   const __m128i half = _mm_and_si128(_mm_srai_epi16(fp8_high_bytes(p), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+  return _mm256_cvtph_ps(half);
 }
 #endif
 #endif
