@@ -2,6 +2,7 @@
 
     python benchmarks/decode_bandwidth.py --out docs/results/decode_bandwidth.json
     python benchmarks/decode_bandwidth.py --length 4096 --rounds 5   # the KV dtypes side by side
+    python benchmarks/decode_bandwidth.py --rounds 5 --warm           # ... and each one's pool warm
 
 One decode step's attention for every layer of the default model's shape (30 layer pools, 9
 query heads on 3 KV heads, head_dim 64), each layer's pool larger than the last-level cache, so
@@ -120,23 +121,38 @@ def decode_step(kv_dtype: str, block_size: int, batch: int, length: int, layers:
             "gbps": batch * length * token_bytes / seconds / 1e9}
 
 
-def interleaved(kv_dtypes: list[str], block_size: int, batch: int, length: int, rounds: int) -> list[dict[str, Any]]:
+def interleaved(kv_dtypes: list[str], block_size: int, batch: int, length: int, rounds: int,
+                warm: bool = False) -> list[dict[str, Any]]:
     """Every dtype's LAYERS cold pools built first, then ``rounds`` rounds of one step each, the
     dtypes in turn: ms per layer (median) and the median of the rounds' ratios to the first dtype,
-    so the VM's drift falls on all alike (target 2's per-layer attention, without the model)."""
+    so the VM's drift falls on all alike (target 2's per-layer attention, without the model).
+    ``warm``: each round also reads a dtype's first pool LAYERS times over (from the last-level
+    cache where it fits): warm / cold near 1 says the kernel is compute-bound at this shape."""
     layers = {d: attention_layers(d, block_size, [length] * batch, LAYERS)[0] for d in kv_dtypes}
     times: dict[str, list[float]] = {d: [] for d in kv_dtypes}
+    warm_times: dict[str, list[float]] = {d: [] for d in kv_dtypes}
+
+    def step_ms(d: str, pools: range | list[int]) -> float:
+        start = time.perf_counter()
+        for i in pools:
+            layers[d](i)
+        return 1e3 * (time.perf_counter() - start) / LAYERS
+
     for _ in range(rounds):
         for d in kv_dtypes:
             layers[d](0)
-            start = time.perf_counter()
-            for i in range(LAYERS):
-                layers[d](i)
-            times[d].append(1e3 * (time.perf_counter() - start) / LAYERS)
+            times[d].append(step_ms(d, range(LAYERS)))
+            if warm:
+                warm_times[d].append(step_ms(d, [0] * LAYERS))
     first = times[kv_dtypes[0]]
-    return [{"kv_dtype": d, "block_size": block_size, "ms_per_layer": statistics.median(times[d]),
+    rows = [{"kv_dtype": d, "block_size": block_size, "ms_per_layer": statistics.median(times[d]),
              "ratio": statistics.median(t / b for t, b in zip(times[d], first, strict=True)),
              "round_ms": times[d]} for d in kv_dtypes]
+    if warm:
+        for row, d in zip(rows, kv_dtypes, strict=True):
+            row["warm_ms_per_layer"] = statistics.median(warm_times[d])
+            row["warm_over_cold"] = statistics.median(w / c for w, c in zip(warm_times[d], times[d], strict=True))
+    return rows
 
 
 def main() -> None:
@@ -149,6 +165,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=0,
                         help="compare the KV dtypes instead: their steps alternated for this many rounds")
+    parser.add_argument("--warm", action="store_true",
+                        help="with --rounds: also time each dtype's first pool read over and over (warm / cold)")
     args = parser.parse_args()
     unknown = sorted(set(args.kv_dtypes.split(",")) - set(KV_DTYPES))
     if unknown:
@@ -198,10 +216,11 @@ def compare_dtypes(args: argparse.Namespace) -> None:
     print("| block size | " + " | ".join(f"{d} ms / layer (vs {dtypes[0]})" for d in dtypes) + " |")
     print("|---" * (len(dtypes) + 1) + "|")
     for block_size in (int(b) for b in args.block_sizes.split(",")):
-        found = interleaved(dtypes, block_size, args.batch, args.length, args.rounds)
+        found = interleaved(dtypes, block_size, args.batch, args.length, args.rounds, args.warm)
         rows += found
-        print(f"| {block_size} | " + " | ".join(f"{r['ms_per_layer']:.3f} ({r['ratio']:.2f}x)" for r in found) + " |",
-              flush=True)
+        cells = [f"{r['ms_per_layer']:.3f} ({r['ratio']:.2f}x" + (f"; warm {r['warm_over_cold']:.2f}x of cold)"
+                                                                  if args.warm else ")") for r in found]
+        print(f"| {block_size} | " + " | ".join(cells) + " |", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads, "batch": args.batch,
