@@ -11,7 +11,8 @@ the sequential read bandwidth measured in the same run (``x.sum()`` over 512 MiB
 threads; the best of its measurements at the start and at the end). int8, int4 and fp8 pools are
 counted in their own bytes (codes plus per-token value scales; int4 also its per-block key
 tables), int8 and fp8 with calibrated static key scales, as ``--kv-cache-dtype int8|fp8
---kv-scales`` runs them.
+--kv-scales`` runs them; ``int8-block`` is int8 with key scales per block (also counted), as
+``--kv-cache-dtype int8`` runs it without a calibration file.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from kvserve.model.attention import fp8_table
 from kvserve.model.cpu_kernels import cpu_op
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
-KV_DTYPES = ("bf16", "int8", "int4", "fp8")
+DEFAULT_KV_DTYPES = ("bf16", "int8", "int4", "fp8")
+KV_DTYPES = (*DEFAULT_KV_DTYPES, "int8-block")
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -86,8 +88,10 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
         value_scales = None
     else:
         op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")
-        kind = "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
+        kind = {"fp8": "fp8_e4m3", "int8-block": "int8"}.get(kv_dtype, kv_dtype)
         key_scales = torch.rand(KV_HEADS, DIM) / 50 + 0.01
+        if kv_dtype == "int8-block":  # key scales per block, as without a calibration file (the default)
+            key_scales = torch.rand(num_blocks, KV_HEADS, DIM) / 50 + 0.01
         value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, 1) / 50 + 0.01) if kind == "int8" else None
         if kind == "int8":
             pools = [torch.randint(-127, 128, shape, dtype=torch.int8) for _ in range(layers)]
@@ -107,6 +111,8 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
         token_bytes += KV_HEADS * value_scales[0, 0, 0].numel() * value_scales.element_size()
     if kv_dtype == "int4":
         token_bytes += KV_HEADS * 2 * DIM * 2 / block_size
+    if kv_dtype == "int8-block":
+        token_bytes += KV_HEADS * DIM * 4 / block_size
     return layer, token_bytes
 
 
@@ -157,7 +163,7 @@ def interleaved(kv_dtypes: list[str], block_size: int, batch: int, length: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    parser.add_argument("--kv-dtypes", default=",".join(DEFAULT_KV_DTYPES))
     parser.add_argument("--block-sizes", default="16,32,64,128")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=2048)
