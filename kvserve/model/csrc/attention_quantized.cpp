@@ -865,8 +865,8 @@ static inline bool keys_in_integers(const QuantPool& pool) {
 // q16[g][d] = round(x[g][d] / step[g]), step[g] = max_d |x[g][d]| / 32767 (1 for a zero row), for
 // x = q times the key scales (per channel; none: q itself). x is never stored: one pass finds its
 // largest magnitude, a second rounds it. It runs per block where key scales are per block (int8
-// without calibration, int4): separate scaling, maximum and rounding passes there took 4-6% of
-// the job's time more on a Zen 3.
+// without calibration, int4): separate scaling, maximum and rounding passes there took 3-6% more
+// of the job's time on a Zen 3.
 static void round_queries_int16(const float* q, const float* scales, int64_t group, int64_t dim, int16_t* q16,
                                 float* step) {
   auto scaled = [&](const float* qg, int64_t d) {
@@ -876,7 +876,8 @@ static void round_queries_int16(const float* q, const float* scales, int64_t gro
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * dim;
     __m256 top = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), scaled(qg, d)));
+    for (int64_t d = 0; d < dim; d += 8)
+      top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), scaled(qg, d)));  // |x|
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
@@ -910,7 +911,9 @@ static void score_rows_int(const int16_t* q16, const float* step, int64_t dim, c
       KVSERVE_UNROLL
       for (int j = 0; j < 4; ++j) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + (t + j) * row_bytes + c));
-        auto q_at = [&](int g, int64_t d) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * dim + d)); };
+        auto q_at = [&](int g, int64_t d) {
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * dim + d));
+        };
         if constexpr (kInt4) {
           const __m256i k = _mm256_cvtepu8_epi16(raw);
           const __m256i low = _mm256_and_si256(k, _mm256_set1_epi16(15)), high = _mm256_srli_epi16(k, 4);
@@ -1139,9 +1142,9 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
         prefetch_key_pass(pool, table, h, first + r0, m, coded_len);
 #if defined(KVSERVE_AVX2_ROWS)
         if (int_keys) {
-          const uint8_t* rows = pool.row_at(table, h, first + r0);
-          if (int4) score_rows_int<true>(q16.data(), q_step.data(), group, dim, rows, pool.row_bytes, m, probs + first + r0, len);
-          else score_rows_int<false>(q16.data(), q_step.data(), group, dim, rows, pool.row_bytes, m, probs + first + r0, len);
+          const auto score = int4 ? score_rows_int<true> : score_rows_int<false>;
+          score(q16.data(), q_step.data(), group, dim, pool.row_at(table, h, first + r0), pool.row_bytes, m,
+                probs + first + r0, len);
           continue;
         }
 #endif
