@@ -12,7 +12,9 @@ threads; the best of its measurements at the start and at the end). int8, int4 a
 counted in their own bytes (codes plus per-token value scales; int4 also its per-block key
 tables), int8 and fp8 with calibrated static key scales, as ``--kv-cache-dtype int8|fp8
 --kv-scales`` runs them; ``int8-block`` is int8 with key scales per block (also counted), as
-``--kv-cache-dtype int8`` runs it without a calibration file.
+``--kv-cache-dtype int8`` runs it without a calibration file; ``bf16-fp32q`` is a bf16 pool read by
+float32 queries, as a float32 model (the default on CPUs without AVX512-BF16) runs
+``--kv-cache-dtype bf16``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvserve.model.cpu_kernels import cpu_op
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 DEFAULT_KV_DTYPES = ("bf16", "int8", "int4", "fp8")
-KV_DTYPES = (*DEFAULT_KV_DTYPES, "int8-block")
+KV_DTYPES = (*DEFAULT_KV_DTYPES, "int8-block", "bf16-fp32q")
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -76,7 +78,7 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
     for b, chunk in enumerate(order.split(per)):
         tables[b, : len(chunk)] = chunk
     seq_lens = torch.tensor(lens)
-    q = torch.randn(batch, HEADS, DIM).to(torch.bfloat16)
+    q = torch.randn(batch, HEADS, DIM).to(torch.float32 if kv_dtype == "bf16-fp32q" else torch.bfloat16)
     out = torch.empty_like(q)
     shape = (num_blocks, 2 * KV_HEADS, block_size, DIM)
     if kv_dtype == "bf16":
@@ -85,6 +87,14 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
 
         def layer(i: int) -> None:
             op(out, q, pools[i], tables, seq_lens, DIM**-0.5)
+        value_scales = None
+    elif kv_dtype == "bf16-fp32q":  # a pool of another dtype than the query's: the quantized op's job
+        op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")
+        pools = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
+
+        def layer(i: int) -> None:
+            assert op(out, q, pools[i], KIND_CODES["bf16"], None, None, 1.0, None, None, None, tables, seq_lens, 1,
+                      DIM**-0.5)
         value_scales = None
     else:
         op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")

@@ -93,6 +93,31 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 40), (5, 1, 256)])
+def test_float32_queries_over_a_16_bit_pool_are_float32_attention_over_its_values(
+        kind: torch.dtype, block_size: int, heads: int, kv_heads: int, dim: int) -> None:
+    """A float32 model with --kv-cache-dtype bf16/fp16: the quantized op's job reads the 16-bit
+    rows (in place with AVX2) and must give float32 attention over the stored values, as a
+    float32 pool holding the same values does (float32 rounding only)."""
+    torch.manual_seed(1)
+    lens = torch.tensor([1, 17, 150, 300])
+    batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)
+    num_blocks = batch * width + 1
+    cache = torch.randn(num_blocks, 2 * kv_heads, block_size, dim).to(kind)
+    ids = torch.randperm(num_blocks - 1)[: batch * width].view(batch, width) + 1
+    tables = torch.where(torch.arange(width)[None, :] * block_size < lens[:, None], ids, torch.zeros_like(ids))
+    query = torch.randn(batch, heads, dim)
+    slots = tables[torch.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
+    meta = AttentionMetadata(slots, _write_index(slots, block_size, kv_heads),
+                             [_decode_group(tables, lens, block_size, heads, kv_heads, torch.float32, False)])
+    out = paged_attention(query, LayerKV.float_pool(cache), meta, dim**-0.5)
+    expected = paged_attention(query, LayerKV.float_pool(cache.float()), meta, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_calls_are_labelled_only_while_a_profiler_records() -> None:
     """The benchmarks time attention by its kvserve:: label under torch.profiler; outside a
     profile no label is opened (record_function costs ~7 us a call even with no profiler)."""
