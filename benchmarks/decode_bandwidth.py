@@ -81,20 +81,12 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
     q = torch.randn(batch, HEADS, DIM).to(torch.float32 if kv_dtype == "bf16-fp32q" else torch.bfloat16)
     out = torch.empty_like(q)
     shape = (num_blocks, 2 * KV_HEADS, block_size, DIM)
-    if kv_dtype == "bf16":
+    if kv_dtype in ("bf16", "bf16-fp32q"):
         op: Any = ops.paged_decode_attention if ops is not None else cpu_op("paged_decode_attention")
         pools = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
 
         def layer(i: int) -> None:
             op(out, q, pools[i], tables, seq_lens, DIM**-0.5)
-        value_scales = None
-    elif kv_dtype == "bf16-fp32q":  # a pool of another dtype than the query's: the quantized op's job
-        op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")
-        pools = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
-
-        def layer(i: int) -> None:
-            assert op(out, q, pools[i], KIND_CODES["bf16"], None, None, 1.0, None, None, None, tables, seq_lens, 1,
-                      DIM**-0.5)
         value_scales = None
     else:
         op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")

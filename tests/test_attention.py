@@ -98,9 +98,9 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 40), (5, 1, 256)])
 def test_float32_queries_over_a_16_bit_pool_are_float32_attention_over_its_values(
         kind: torch.dtype, block_size: int, heads: int, kv_heads: int, dim: int) -> None:
-    """A float32 model with --kv-cache-dtype bf16/fp16: the quantized op's job reads the 16-bit
-    rows (in place with AVX2) and must give float32 attention over the stored values, as a
-    float32 pool holding the same values does (float32 rounding only)."""
+    """A float32 model with --kv-cache-dtype bf16/fp16: decode takes the float kernel, which widens
+    the 16-bit rows as it reads them, and must give float32 attention over the stored values, as
+    a float32 pool holding the same values does (float32 rounding only)."""
     torch.manual_seed(1)
     lens = torch.tensor([1, 17, 150, 300])
     batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)

@@ -210,9 +210,10 @@ static DecodeJob<T> vector_job(int64_t dim, int64_t group) {
   return nullptr;
 }
 #endif
-// out in T, or float32 (a cascade's partial results).
-template <typename T, typename O>
-static void decode_kernel(const T* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
+// out in T, or float32 (a cascade's partial results); queries in T, or float32 (Q: a float32
+// model over a 16-bit pool).
+template <typename T, typename O, typename Q = T>
+static void decode_kernel(const Q* q, int64_t q_stride, const T* kv, const int64_t* tables, const int64_t* lens,
                           O* out, int64_t out_stride, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                           int64_t width, int64_t block_size, float scale, float* lse_out) {
   const int64_t group = heads / kv_heads;
@@ -251,23 +252,35 @@ static float* lse_pointer(const c10::optional<torch::Tensor>& lse, int64_t rows,
 }
 
 static void check_paged_call(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens) {
+                             const torch::Tensor& seq_lens, bool float32_queries_allowed = false) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, dim] rows");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache: one dtype");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() ||
+              (float32_queries_allowed && q.scalar_type() == torch::kFloat &&
+               (kv_cache.scalar_type() == torch::kBFloat16 || kv_cache.scalar_type() == torch::kHalf)),
+              "q and kv_cache: one dtype (decode: or float32 q over a bf16/float16 pool)");
 }
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                             torch::Tensor seq_lens, double scale) {
   // q, out: [batch, heads, dim] with contiguous rows (a batch stride of their own is allowed)
-  check_paged_call(q, kv_cache, block_tables, seq_lens);
+  check_paged_call(q, kv_cache, block_tables, seq_lens, true);
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must be like q");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q: one dtype");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(1) / 2, block_size = kv_cache.size(2);
+  if (q.scalar_type() != kv_cache.scalar_type()) {  // float32 queries over a bf16/float16 pool
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "paged_decode_attention", [&] {
+      decode_kernel<scalar_t, float, float>(q.data_ptr<float>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
+                                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                            out.stride(0), batch, heads, kv_heads, dim, tables.size(1), block_size,
+                                            static_cast<float>(scale), nullptr);
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),

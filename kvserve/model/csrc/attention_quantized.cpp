@@ -1056,11 +1056,7 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
   const int64_t bs = pool.block_size, dim = pool.dim, kv_heads = pool.kv_heads, num_blocks = (len + bs - 1) / bs;
   const bool int4 = pool.kind == kI4;
   const bool codes = pool.kind == kI8 || pool.kind == kE4M3 || pool.kind == kE5M2 || int4;
-  // bf16/fp16 pools under float32 queries (a float32 model, --kv-cache-dtype bf16): read in place
-  // where the row loops widen them, as the bf16 job does (through the float tile they took 1.4-1.5x
-  // the time from memory and 1.7x hot, on a Zen 3)
-  const bool halves = (pool.kind == kBF16 || pool.kind == kF16) && rows_widened<c10::BFloat16>(dim);
-  auto whole = [&](int64_t blk) { return !(codes || halves) || pool.in_tail(len, blk); };
+  auto whole = [&](int64_t blk) { return !codes || pool.in_tail(len, blk); };
   thread_local std::vector<float> scaled, weights;
   scaled.resize(group * dim);
   weights.resize(group * bs);
@@ -1074,16 +1070,14 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
   const bool int_keys = false;
 #endif
   // codes read in place where the row loops widen them (AVX2; int4: where its keys go in integers)
-  const bool in_place = int4 ? int_keys : (codes && rows_widened<int8_t>(dim)) || halves;
+  const bool in_place = int4 ? int_keys : codes && rows_widened<int8_t>(dim);
   // what codes read in place are scaled by (e4m3's widening gives value / kE4M3Unit): folded
   // into the queries and the value weights
   const float unit = in_place && pool.kind == kE4M3 ? kE4M3Unit : 1.f;
-  // fn(the rows of head j from pos on, typed by their kind): int8 and fp8 codes, bf16/fp16 rows
+  // fn(the rows of head j from pos on, typed by their kind): int8 and fp8 codes
   auto code_rows_at = [&](int64_t j, int64_t pos, const auto& fn) {
     const uint8_t* rows = pool.row_at(table, j, pos);
     if (pool.kind == kI8) return fn(reinterpret_cast<const int8_t*>(rows));
-    if (pool.kind == kBF16) return fn(reinterpret_cast<const c10::BFloat16*>(rows));
-    if (pool.kind == kF16) return fn(reinterpret_cast<const c10::Half*>(rows));
     if (pool.kind == kE4M3) return fn(reinterpret_cast<const Fp8E4M3*>(rows));
     return fn(reinterpret_cast<const Fp8E5M2*>(rows));
   };
@@ -1180,11 +1174,6 @@ static void decode_quant_scalar(const float* qf, const QuantPool& pool, const in
     }
     if (int4) {
       int4_values.block(table, blk, n, h, probs + blk * bs, len, in_place, acc, tile);
-      continue;
-    }
-    if (halves) {  // unscaled rows: the probabilities are the weights
-      code_rows_at(kv_heads + h, blk * bs,
-                   [&](const auto* rows) { accumulate_rows(probs + blk * bs, len, group, dim, rows, n, acc); });
       continue;
     }
     if (!in_place) pool.code_rows(table[blk], kv_heads + h, n, tile);
