@@ -1,10 +1,12 @@
 """The decode step per KV dtype at long context and high concurrency (issue 19, target 2).
 
     python benchmarks/decode_step.py --kv-scales docs/results/smollm2_kv_scales.json \\
-        --out docs/results/decode_step_32x4096.json [--block-size 64]
+        --out docs/results/decode_step_32x4096.json [--block-size 64] [--fill random] [--dtype float32]
 
-One engine per KV dtype (bf16 model, 2 threads, prefix caching off, memory for every sequence):
-``--batch`` sequences of ``--context`` random prompt tokens are prefilled in every engine first;
+One engine per KV dtype (bf16 model unless ``--dtype``, 2 threads, prefix caching off, memory for
+every sequence): ``--batch`` sequences of ``--context`` random prompt tokens are prefilled in every
+engine first (``--fill random``: their K/V written at random through each pool's own write path
+instead of computed, random_kv_prefill; the decode steps then run the model);
 then, ``--rounds`` times, each engine in turn (the order rotated each round) takes the median wall
 time of ``--steps`` decode steps and, over a few more steps under torch's profiler, the time
 spent in the attention kernels, so the rest of the step (linear layers, norms, sampling) shows
@@ -43,22 +45,26 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's dtype")
+    parser.add_argument("--fill", default="prefill", choices=["prefill", "random"],
+                        help="prefill: the prompts' K/V computed by the model; random: written at random")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    loaded = load_model("smollm2-135m", torch.device("cpu"), getattr(torch, args.dtype))
     dtypes = args.kv_cache_dtype.split(",")
     runs: dict[str, list[dict[str, float]]] = {d: [] for d in dtypes}
     profiled = 3
     engines: dict[str, LLM] = {}
     decode = args.rounds * (args.steps + profiled)
-    memory = 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
+    widest = 2 if args.dtype == "float32" and ({"auto", "fp32"} & set(dtypes)) else 1  # 32-bit KV: twice 16-bit's
+    memory = widest * 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
     for kv_dtype in dtypes:  # every engine prefilled before any step is timed
         kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
         engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory,
                                 enable_prefix_caching=False, max_num_seqs=args.batch, max_num_batched_tokens=2048,
                                 block_size=args.block_size, **kwargs)
-        start_decoding(engines[kv_dtype], args.batch, args.context, decode)
+        start_decoding(engines[kv_dtype], args.batch, args.context, decode, random_kv=args.fill == "random")
         print(f"{kv_dtype}: {args.batch} x {args.context} prefilled", flush=True)
     for round_index in range(args.rounds):
         for kv_dtype in dtypes[round_index % len(dtypes):] + dtypes[: round_index % len(dtypes)]:

@@ -15,10 +15,12 @@ dequantization work shows on its own. bf16 model, 2 threads (this machine's core
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +50,46 @@ def run_load(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, A
 ATTENTION_EVENTS = ("kvserve::paged_decode_attention", "kvserve::paged_attention_quantized")
 
 
-def start_decoding(llm: LLM, batch: int, context: int, steps: int) -> list[str]:
+@contextlib.contextmanager
+def random_kv_prefill(llm: LLM) -> Iterator[None]:
+    """While open, the engine's model does not run: a step writes random K/V (normal, unit
+    variance) for its tokens into every layer through the layer's own write path (its format's
+    quantizer and scales) and returns zero hidden states. A decode step's speed depends on the
+    pool's bytes and layout, not on the values in it; this skips prefilling batch x context
+    tokens, which in bf16 takes most of an hour on a CPU without AVX512-BF16."""
+    model = llm.engine.runner.model
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    generator = torch.Generator().manual_seed(0)
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any],
+                metas: list[Any]) -> torch.Tensor:
+        shape = (input_ids.shape[0], config.num_kv_heads, config.head_dim)
+        for kv, meta in zip(kv_caches, metas, strict=True):
+            key, value = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+            kv.write(key, value, meta.write)
+        return torch.zeros(input_ids.shape[0], config.hidden_size, dtype=dtype)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
+
+
+def start_decoding(llm: LLM, batch: int, context: int, steps: int, random_kv: bool = False) -> list[str]:
     """Add ``batch`` requests of ``context`` random prompt tokens and step the engine until all
     are prefilled, so that every later step decodes all of them; each may generate ``steps``
     more tokens than its prefill takes (sequences prefilled first decode while the rest
-    prefill), so none finishes before it is measured. Returns the request ids (to abort)."""
+    prefill), so none finishes before it is measured. ``random_kv``: the prompts' K/V written
+    at random instead of computed (random_kv_prefill). Returns the request ids (to abort)."""
     engine = llm.engine
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 8, ignore_eos=True)
     ids = [engine.add_request(prompt, params).request_id for prompt in workload(7, batch, context)]
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    with random_kv_prefill(llm) if random_kv else contextlib.nullcontext():
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            engine.step()
     assert len(engine.requests) == batch, "a request finished before the decode steps were measured"
     return ids
 
