@@ -115,6 +115,11 @@ def test_float32_queries_over_a_16_bit_pool_are_float32_attention_over_its_value
     out = paged_attention(query, LayerKV.float_pool(cache), meta, dim**-0.5)
     expected = paged_attention(query, LayerKV.float_pool(cache.float()), meta, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # only float32 queries may differ from the pool's dtype
+    half_query = query.half()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_op("paged_decode_attention")(torch.empty_like(half_query), half_query, cache.bfloat16(), tables, lens,
+                                         dim**-0.5)
 
 
 @needs_kernel

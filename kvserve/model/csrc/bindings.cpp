@@ -16,7 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rope_and_write_kv into an int8 pool: keys by static per-channel scales, values per token: (qkv, cos, sin, "
         "kv_cache, slots, heads, key_scales, value_scales, clipped)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale)");
+        "decode attention over a paged KV cache, written into out: (out, q, kv_cache, block_tables, seq_lens, scale); "
+        "q in the cache's dtype, or float32 over a bf16/float16 cache");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal (or, causal=False, full) attention for query_len new tokens per sequence over the paged cache, "
         "written into out (log-sum-exps into lse where given); False where unsupported: "
