@@ -114,17 +114,24 @@ def _quantize_rows(layer: TailKV, src: torch.Tensor, rows: torch.Tensor, block_i
     layer.quantize_staged(src.index_select(0, rows), block_ids)
 
 
+def narrowed_float_pool(layer: LayerKV, dtype: torch.dtype) -> bool:
+    """A float32 model over a bf16/float16 pool (--kv-cache-dtype bf16 on a CPU whose default model
+    dtype is float32): the float ops read and write it, widening and rounding per element."""
+    return layer.direct and dtype == torch.float32 and layer.data.dtype in (torch.bfloat16, torch.float16)
+
+
 def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, layer: LayerKV,
                       meta: AttentionMetadata, num_heads: int) -> bool:
     """C++ op: rotary on qkv's query and key heads in place ([T, H + 2*KVH, D], contiguous;
     cos/signed_sin float32 [T, D]), then each token's K and V heads into its pool slot: as they
-    are into a pool of the model's dtype, quantized into an int8 pool with static key scales
+    are into a pool of the model's dtype (or rounded into a bf16/float16 pool under a float32
+    model), quantized into an int8 pool with static key scales
     (as kv_quant.quantize would: codes, value scales and clip count), or, for pools that keep a
     full-precision tail block (int4, per-block int8), into the tail slots (decode: each token
     straight to its tail row; prefill: through a row per token and TailKV.write_rows), quantizing
     the blocks that fill as the torch path does. False, touching nothing, for anything else (the
     caller then ropes and writes in torch)."""
-    if layer.holds_as_is(qkv.dtype):
+    if layer.holds_as_is(qkv.dtype) or narrowed_float_pool(layer, qkv.dtype):
         _write_op("rope_and_write_kv", qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads)
         return True
     plan = meta.write.tail
@@ -255,8 +262,7 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
     kv_heads = two_kv_heads // 2
     num_heads, head_dim = query.shape[1], query.shape[2]
     direct = layer.holds_as_is(query.dtype)
-    # a float32 model over a bf16/float16 pool: the float decode kernel widens its rows as it reads them
-    widened = layer.direct and query.dtype == torch.float32 and kv_cache.dtype in (torch.bfloat16, torch.float16)
+    widened = narrowed_float_pool(layer, query.dtype)  # the float decode kernel widens its rows as it reads them
     if layer.key_rotation is not None:  # keys are stored rotated: rotate q alike, q·k is unchanged
         query = (query.float() @ layer.key_rotation).to(query.dtype)
     out = torch.empty_like(query)

@@ -16,8 +16,10 @@ static inline void rope_token(T* token, const float* c, const float* s, int64_t 
   }
 }
 
-template <typename T>
-static void rope_write_kernel(T* qkv, const float* cos, const float* sin, T* kv, const int64_t* slots,
+// P: the pool's element type, T's or (a float32 model over a bf16/float16 pool) narrower: each
+// element rounded as torch's cast rounds it.
+template <typename T, typename P = T>
+static void rope_write_kernel(T* qkv, const float* cos, const float* sin, P* kv, const int64_t* slots,
                               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size) {
   const int64_t row = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
@@ -27,8 +29,9 @@ static void rope_write_kernel(T* qkv, const float* cos, const float* sin, T* kv,
       const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;
       for (int64_t j = 0; j < 2 * kv_heads; ++j) {  // K heads then V heads, as in the block layout
         const T* src = qkv + t * row + (heads + j) * dim;
-        T* dst = kv + ((block * 2 * kv_heads + j) * block_size + offset) * dim;
-        std::copy(src, src + dim, dst);
+        P* dst = kv + ((block * 2 * kv_heads + j) * block_size + offset) * dim;
+        if constexpr (std::is_same_v<T, P>) std::copy(src, src + dim, dst);
+        else from_float(src, dst, dim);
       }
     }
   });
@@ -50,9 +53,20 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   // qkv [tokens, heads + 2*kv_heads, dim] contiguous: rotary applied in place to the query and
   // key heads, then the token's K and V heads are copied into its slot of the pool.
   check_rope_call(qkv, cos, sin, kv_cache, slot_mapping);
-  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type(), "pool dtype");
+  const bool narrowed = qkv.scalar_type() == torch::kFloat &&
+                        (kv_cache.scalar_type() == torch::kBFloat16 || kv_cache.scalar_type() == torch::kHalf);
+  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type() || narrowed,
+              "pool dtype: qkv's, or bf16/float16 under float32 qkv");
   auto slots = slot_mapping.contiguous();
   const int64_t kv_heads = kv_cache.size(1) / 2;
+  if (narrowed) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "rope_and_write_kv", [&] {
+      rope_write_kernel<float, scalar_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                         kv_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), qkv.size(0), heads,
+                                         kv_heads, qkv.size(2), kv_cache.size(2));
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_write_kv", [&] {
     rope_write_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                 kv_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), qkv.size(0), heads,
