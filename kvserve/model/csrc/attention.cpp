@@ -257,8 +257,7 @@ static void check_paged_call(const torch::Tensor& q, const torch::Tensor& kv_cac
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache must be [blocks, 2*kv_heads, block, dim]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() ||
-              (float32_queries_allowed && q.scalar_type() == torch::kFloat &&
-               (kv_cache.scalar_type() == torch::kBFloat16 || kv_cache.scalar_type() == torch::kHalf)),
+              (float32_queries_allowed && float32_over_16_bit(q.scalar_type(), kv_cache.scalar_type())),
               "q and kv_cache: one dtype (decode: or float32 q over a bf16/float16 pool)");
 }
 

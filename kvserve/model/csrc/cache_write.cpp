@@ -53,8 +53,7 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   // qkv [tokens, heads + 2*kv_heads, dim] contiguous: rotary applied in place to the query and
   // key heads, then the token's K and V heads are copied into its slot of the pool.
   check_rope_call(qkv, cos, sin, kv_cache, slot_mapping);
-  const bool narrowed = qkv.scalar_type() == torch::kFloat &&
-                        (kv_cache.scalar_type() == torch::kBFloat16 || kv_cache.scalar_type() == torch::kHalf);
+  const bool narrowed = float32_over_16_bit(qkv.scalar_type(), kv_cache.scalar_type());
   TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type() || narrowed,
               "pool dtype: qkv's, or bf16/float16 under float32 qkv");
   auto slots = slot_mapping.contiguous();

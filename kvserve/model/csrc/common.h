@@ -349,6 +349,12 @@ static inline void from_float(const float* src, T* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// Float32 queries or K/V over a bf16/float16 pool (a float32 model with --kv-cache-dtype bf16):
+// the float ops widen its rows as they read them and round into them as they write.
+static inline bool float32_over_16_bit(torch::ScalarType rows, torch::ScalarType pool) {
+  return rows == torch::kFloat && (pool == torch::kBFloat16 || pool == torch::kHalf);
+}
+
 // How a KV pool stores its elements (kv_quant.KIND_CODES).
 enum KVKind : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4, kI8 = 5, kI4 = 6 };
 // Rows per task so that small (decode) batches stay on one thread: forking costs more than the work.
