@@ -262,13 +262,15 @@ def paged_attention(query: torch.Tensor, layer: LayerKV, meta: AttentionMetadata
     kv_heads = two_kv_heads // 2
     num_heads, head_dim = query.shape[1], query.shape[2]
     direct = layer.holds_as_is(query.dtype)
-    widened = narrowed_float_pool(layer, query.dtype)  # the float decode kernel widens its rows as it reads them
+    widened = narrowed_float_pool(layer, query.dtype)
     if layer.key_rotation is not None:  # keys are stored rotated: rotate q alike, q·k is unchanged
         query = (query.float() @ layer.key_rotation).to(query.dtype)
     out = torch.empty_like(query)
     for group in meta.groups:
         end = group.token_start + group.batch * group.query_len
-        if group.uses_kernel and not direct and not (widened and group.query_len == 1 and group.cascade is None):
+        # the float kernels: the pool in the query's dtype, or a float32 decode widening a 16-bit pool
+        float_kernel = direct or (widened and group.query_len == 1 and group.cascade is None)
+        if group.uses_kernel and not float_kernel:
             _quantized_kernel(out[group.token_start : end], query[group.token_start : end], layer, group, scale)
             continue
         if group.cascade is not None:

@@ -271,20 +271,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   auto lens = seq_lens.contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(1) / 2, block_size = kv_cache.size(2);
-  if (q.scalar_type() != kv_cache.scalar_type()) {  // float32 queries over a bf16/float16 pool
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "paged_decode_attention", [&] {
-      decode_kernel<scalar_t, float, float>(q.data_ptr<float>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
-                                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                                            out.stride(0), batch, heads, kv_heads, dim, tables.size(1), block_size,
-                                            static_cast<float>(scale), nullptr);
-    });
-    return;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(),
-                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                            out.stride(0), batch, heads, kv_heads, dim, tables.size(1), block_size,
-                            static_cast<float>(scale), nullptr);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_decode_attention", [&] {
+    auto run = [&](auto* queries, auto* outputs) {
+      decode_kernel<scalar_t>(queries, q.stride(0), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                              lens.data_ptr<int64_t>(), outputs, out.stride(0), batch, heads, kv_heads, dim,
+                              tables.size(1), block_size, static_cast<float>(scale), nullptr);
+    };
+    if constexpr (kSixteenBit<scalar_t>) {  // float32 queries over a bf16/float16 pool
+      if (q.scalar_type() == torch::kFloat) return run(q.data_ptr<float>(), out.data_ptr<float>());
+    }
+    run(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
   });
 }
 

@@ -58,18 +58,15 @@ void rope_and_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
               "pool dtype: qkv's, or bf16/float16 under float32 qkv");
   auto slots = slot_mapping.contiguous();
   const int64_t kv_heads = kv_cache.size(1) / 2;
-  if (narrowed) {
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "rope_and_write_kv", [&] {
-      rope_write_kernel<float, scalar_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                         kv_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), qkv.size(0), heads,
-                                         kv_heads, qkv.size(2), kv_cache.size(2));
-    });
-    return;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_write_kv", [&] {
-    rope_write_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                kv_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), qkv.size(0), heads,
-                                kv_heads, qkv.size(2), kv_cache.size(2));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "rope_and_write_kv", [&] {
+    auto run = [&](auto* rows) {
+      rope_write_kernel(rows, cos.data_ptr<float>(), sin.data_ptr<float>(), kv_cache.data_ptr<scalar_t>(),
+                        slots.data_ptr<int64_t>(), qkv.size(0), heads, kv_heads, qkv.size(2), kv_cache.size(2));
+    };
+    if constexpr (kSixteenBit<scalar_t>) {  // a float32 model's K/V rounded into a bf16/float16 pool
+      if (narrowed) return run(qkv.data_ptr<float>());
+    }
+    run(qkv.data_ptr<scalar_t>());
   });
 }
 

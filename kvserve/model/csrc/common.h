@@ -354,6 +354,8 @@ static inline void from_float(const float* src, T* dst, int64_t n) {
 static inline bool float32_over_16_bit(torch::ScalarType rows, torch::ScalarType pool) {
   return rows == torch::kFloat && (pool == torch::kBFloat16 || pool == torch::kHalf);
 }
+template <typename T>
+constexpr bool kSixteenBit = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
 // How a KV pool stores its elements (kv_quant.KIND_CODES).
 enum KVKind : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4, kI8 = 5, kI4 = 6 };
