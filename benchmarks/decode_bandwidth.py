@@ -14,7 +14,8 @@ tables), int8 and fp8 with calibrated static key scales, as ``--kv-cache-dtype i
 --kv-scales`` runs them; ``int8-block`` is int8 with key scales per block (also counted), as
 ``--kv-cache-dtype int8`` runs it without a calibration file; ``bf16-fp32q`` is a bf16 pool read by
 float32 queries, as a float32 model (the default on CPUs without AVX512-BF16) runs
-``--kv-cache-dtype bf16``.
+``--kv-cache-dtype bf16``. Pools sit on 2 MB pages, as the engine's do (kvserve.cache.huge_pages);
+a dtype named with ``/4k`` (``bf16/4k``) puts them on 4 KB pages, to compare.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import cpu_name
+from workloads import cpu_name, on_small_pages
 
+from kvserve.cache.huge_pages import empty_per_block
 from kvserve.cache.kv_quant import KIND_CODES
 from kvserve.model.attention import fp8_table
 from kvserve.model.cpu_kernels import cpu_op
@@ -71,6 +73,10 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
     pool i (``ops``: a build of the C++ ops, by default this checkout's); with the K/V bytes
     (and scales) per token. Blocks scattered through the pool, as after churn, or (``scattered``
     False) each sequence's in order."""
+    kv_dtype, small_pages = on_small_pages(kv_dtype)
+
+    def placed(t: torch.Tensor) -> torch.Tensor:  # where the engine would put it
+        return (torch.empty_like(t) if small_pages else empty_per_block(t.shape, t.dtype, t.device)).copy_(t)
     batch, per = len(lens), [-(-n // block_size) for n in lens]
     num_blocks = sum(per) + 1
     order = (torch.randperm(num_blocks - 1) if scattered else torch.arange(num_blocks - 1)) + 1
@@ -83,7 +89,7 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
     shape = (num_blocks, 2 * KV_HEADS, block_size, DIM)
     if kv_dtype in ("bf16", "bf16-fp32q"):
         op: Any = ops.paged_decode_attention if ops is not None else cpu_op("paged_decode_attention")
-        pools = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
+        pools = [placed(torch.randn(shape).to(torch.bfloat16)) for _ in range(layers)]
 
         def layer(i: int) -> None:
             op(out, q, pools[i], tables, seq_lens, DIM**-0.5)
@@ -96,13 +102,15 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
             key_scales = torch.rand(num_blocks, KV_HEADS, DIM) / 50 + 0.01
         value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, 1) / 50 + 0.01) if kind == "int8" else None
         if kind == "int8":
-            pools = [torch.randint(-127, 128, shape, dtype=torch.int8) for _ in range(layers)]
+            pools = [placed(torch.randint(-127, 128, shape, dtype=torch.int8)) for _ in range(layers)]
         elif kind == "int4":  # two codes a byte; (step, minimum) per channel of a block's keys, per value group
-            pools = [torch.randint(0, 256, (*shape[:3], DIM // 2), dtype=torch.uint8) for _ in range(layers)]
+            pools = [placed(torch.randint(0, 256, (*shape[:3], DIM // 2), dtype=torch.uint8)) for _ in range(layers)]
             key_scales = (torch.rand(num_blocks, KV_HEADS, 2, DIM) / 50 + 0.01).half()
             value_scales = (torch.rand(num_blocks, KV_HEADS, block_size, DIM // 32, 2) / 50 + 0.01).half()
         else:
-            pools = [torch.randn(shape).to(torch.float8_e4m3fn).view(torch.uint8) for _ in range(layers)]
+            pools = [placed(torch.randn(shape).to(torch.float8_e4m3fn).view(torch.uint8)) for _ in range(layers)]
+        key_scales = placed(key_scales) if key_scales.dim() > 2 else key_scales  # per block: scattered reads
+        value_scales = placed(value_scales) if value_scales is not None else None
         lut = fp8_table(kind) if kind.startswith("fp8") else None
 
         def layer(i: int) -> None:
@@ -176,7 +184,7 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true",
                         help="with --rounds: also time each dtype's first pool read over and over (warm / cold)")
     args = parser.parse_args()
-    unknown = sorted(set(args.kv_dtypes.split(",")) - set(KV_DTYPES))
+    unknown = sorted({on_small_pages(d)[0] for d in args.kv_dtypes.split(",")} - set(KV_DTYPES))
     if unknown:
         parser.error(f"--kv-dtypes: unknown {', '.join(unknown)} (choose from {', '.join(KV_DTYPES)})")
     torch.set_num_threads(args.threads)

@@ -13,7 +13,8 @@ spent in the attention kernels, so the rest of the step (linear layers, norms, s
 beside it. All engines stay alive, so a round's dtypes run seconds apart: drift in the machine
 (this VM's memory bandwidth moves by ~20% over minutes) falls on all of them alike. Each dtype
 reports its median over the rounds, and its ratio to the first dtype as the median of the
-rounds' ratios.
+rounds' ratios. A dtype named with ``/4k`` (``bf16/4k``) is the same engine with its pools on 4 KB
+pages (``KVSERVE_HUGE_PAGES=0``) instead of 2 MB ones.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import start_decoding, time_decode_steps
-from workloads import cpu_name
+from workloads import cpu_name, on_small_pages
 
 from kvserve import LLM
 from kvserve.engine.engine import load_model
@@ -57,13 +58,17 @@ def main() -> None:
     profiled = 3
     engines: dict[str, LLM] = {}
     decode = args.rounds * (args.steps + profiled)
-    widest = 2 if args.dtype == "float32" and ({"auto", "fp32"} & set(dtypes)) else 1  # 32-bit KV: twice 16-bit's
+    stored_dtypes = {on_small_pages(d)[0] for d in dtypes}
+    widest = 2 if args.dtype == "float32" and ({"auto", "fp32"} & stored_dtypes) else 1  # 32-bit KV: twice 16-bit's
     memory = widest * 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
     for kv_dtype in dtypes:  # every engine prefilled before any step is timed
-        kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and kv_dtype == "int8" else {}
-        engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=memory,
+        stored, small_pages = on_small_pages(kv_dtype)
+        kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and stored == "int8" else {}
+        os.environ["KVSERVE_HUGE_PAGES"] = "0" if small_pages else "1"
+        engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=stored, kv_cache_memory=memory,
                                 enable_prefix_caching=False, max_num_seqs=args.batch, max_num_batched_tokens=2048,
                                 block_size=args.block_size, **kwargs)
+        os.environ.pop("KVSERVE_HUGE_PAGES")
         start_decoding(engines[kv_dtype], args.batch, args.context, decode, random_kv=args.fill == "random")
         print(f"{kv_dtype}: {args.batch} x {args.context} prefilled", flush=True)
     for round_index in range(args.rounds):

@@ -33,6 +33,17 @@ class Workload(NamedTuple):
         return sum(len(p) for p in self.prompts)
 
 
+SMALL_PAGES = "/4k"
+
+
+def on_small_pages(kv_dtype: str) -> tuple[str, bool]:
+    """``bf16/4k``: the KV dtype before the suffix, with its pools on 4 KB pages instead of the 2 MB
+    pages kvserve asks for (kvserve.cache.huge_pages), so one run can compare the two."""
+    if kv_dtype.endswith(SMALL_PAGES):
+        return kv_dtype[: -len(SMALL_PAGES)], True
+    return kv_dtype, False
+
+
 def top_ops(prof: Any, n: int = 4) -> str:
     """The n ops of a torch.profiler run that took the most CPU time, as "name 1.2 s, ..."."""
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]

@@ -287,3 +287,41 @@ def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(ki
     for old, new in zip(before, cache.per_block_tensors(), strict=True):
         assert torch.equal(new[[4, 5]].view(torch.uint8), old[[1, 2]].view(torch.uint8))
         assert torch.equal(new[:4].view(torch.uint8), old[:4].view(torch.uint8))  # nothing else moved
+
+
+def _mapping_of(tensor: torch.Tensor) -> dict[str, str]:
+    """/proc/self/smaps' fields for the mapping that holds ``tensor``'s first whole 2 MB page."""
+    from kvserve.cache.huge_pages import HUGE_PAGE_BYTES
+
+    address = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    fields: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's header: start-end perms ...
+            if fields is not None:
+                return fields
+            start, end = (int(x, 16) for x in head.split("-"))
+            fields = {} if start <= address < end else None
+        elif fields is not None:
+            fields[head.rstrip(":")] = rest.strip()
+    assert fields is not None, "no mapping holds the tensor"
+    return fields
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP_MODE.exists(), reason="no transparent huge pages in this kernel")
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_cpu_pools_ask_for_huge_pages(kind: str) -> None:
+    """Every per-block tensor of a few MB (the pool; int8's and int4's scales) is advised onto 2 MB
+    pages (VmFlags "hg"), where a plain torch.empty of the same size is not. (Whether the kernel then
+    finds free 2 MB pages is its own business: benchmarks/decode_bandwidth.py's ``/4k`` compares.)"""
+    from kvserve.cache.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(1, 4096, 16, 2, 64, torch.float32, torch.device("cpu"), KVQuantSpec(kind))
+    cache.zero_new_blocks(4095)  # first writes fault the pages in
+    big = [t for t in cache.per_block_tensors() if t.numel() * t.element_size() >= 4 << 20]
+    assert big and all("hg" in _mapping_of(t)["VmFlags"].split() for t in big)
+    plain = torch.empty_like(big[0]).zero_()
+    assert "hg" not in _mapping_of(plain)["VmFlags"].split()

@@ -26,6 +26,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from kvserve.cache.huge_pages import empty_per_block
 from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_format import KEY_SCALE_MODES
 from kvserve.cache.kv_quant import (
@@ -123,7 +124,7 @@ class LayerKV:
     @classmethod
     def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
                  ) -> LayerKV:
-        """A pool for ``shape`` (torch.empty: pages are only touched when a block is first written)."""
+        """A pool for ``shape`` (empty_per_block: pages are only touched when a block is first written)."""
         raise NotImplementedError
 
     @classmethod
@@ -277,8 +278,8 @@ def format_class(kind: str, key_scale_mode: str) -> type[LayerKV]:
 def _pool(kind: str, shape: PoolShape) -> torch.Tensor:
     size = (shape.num_blocks, 2 * shape.num_kv_heads, shape.block_size)
     if kind in FLOAT_KINDS:
-        return torch.empty((*size, shape.head_dim), dtype=FLOAT_KINDS[kind], device=shape.device)
-    return torch.empty((*size, row_bytes(kind, shape.head_dim)), dtype=torch.uint8, device=shape.device)
+        return empty_per_block((*size, shape.head_dim), FLOAT_KINDS[kind], shape.device)
+    return empty_per_block((*size, row_bytes(kind, shape.head_dim)), torch.uint8, shape.device)
 
 
 @register(*((kind, mode) for kind in FLOAT_KINDS for mode in KEY_SCALE_MODES))
@@ -324,8 +325,8 @@ class LatentKV(FloatKV):
                  ) -> LayerKV:
         if kind not in FLOAT_KINDS:
             raise ValueError(f"KV cache dtype {kind} is not supported for MLA's latent cache (use a float dtype)")
-        data = torch.empty((shape.num_blocks, 1, shape.block_size, shape.head_dim), dtype=FLOAT_KINDS[kind],
-                           device=shape.device)
+        data = empty_per_block((shape.num_blocks, 1, shape.block_size, shape.head_dim), FLOAT_KINDS[kind],
+                               shape.device)
         return cls(kind, data, None, None, 1.0, None, clipped)
 
     def write(self, key: torch.Tensor, value: torch.Tensor | None, index: KVWriteIndex) -> None:
@@ -387,8 +388,8 @@ class Int8StaticKV(LayerKV):
 
 
 def _int8_value_scales(shape: PoolShape) -> torch.Tensor:
-    return torch.empty((shape.num_blocks, shape.num_kv_heads, shape.block_size, 1), dtype=torch.float32,
-                       device=shape.device)
+    return empty_per_block((shape.num_blocks, shape.num_kv_heads, shape.block_size, 1), torch.float32,
+                           shape.device)
 
 
 def _tail(data: torch.Tensor, shape: PoolShape) -> torch.Tensor:
@@ -446,8 +447,8 @@ class Int8BlockKV(TailKV):
     @classmethod
     def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
                  ) -> LayerKV:
-        key_scales = torch.empty((shape.num_blocks, shape.num_kv_heads, shape.head_dim), dtype=torch.float32,
-                                 device=shape.device)
+        key_scales = empty_per_block((shape.num_blocks, shape.num_kv_heads, shape.head_dim), torch.float32,
+                                     shape.device)
         data = _pool(kind, shape)
         return cls(kind, data, key_scales, _int8_value_scales(shape), 1.0, _tail(data, shape), clipped,
                    quant.value_scale_override)
@@ -480,9 +481,9 @@ class Int4KV(TailKV):
     def allocate(cls, kind: str, shape: PoolShape, quant: KVQuantSpec, layer: int, clipped: torch.Tensor
                  ) -> LayerKV:
         heads, dim, device = shape.num_kv_heads, shape.head_dim, shape.device
-        key_scales = torch.empty((shape.num_blocks, heads, 2, dim), dtype=torch.float16, device=device)
-        value_scales = torch.empty((shape.num_blocks, heads, shape.block_size, value_groups(kind, dim), 2),
-                                   dtype=torch.float16, device=device)
+        key_scales = empty_per_block((shape.num_blocks, heads, 2, dim), torch.float16, device)
+        value_scales = empty_per_block((shape.num_blocks, heads, shape.block_size, value_groups(kind, dim), 2),
+                                       torch.float16, device)
         data = _pool(kind, shape)
         return cls(kind, data, key_scales, value_scales, 1.0, _tail(data, shape), clipped)
 
