@@ -134,3 +134,27 @@ def test_admission_control_still_preempts_on_decode_growth(tiny_model_factory: C
     tight = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     roomy = [o.token_ids for o in _pool_llm(tiny_model_factory, 64, True).generate(prompts, params, use_tqdm=False)]
     assert llm.engine.num_preemptions > 0 and tight == roomy
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_emulated_16_bit_matmuls_are_announced(dtype: str, tiny_model_factory: Callable[..., Path],
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A 16-bit model on a CPU whose torch has no native matmul for it (an AVX2 CPU) is several
+    times slower than float32: the engine says so at start-up, and only then."""
+    import logging
+
+    import torch
+
+    native = {"bfloat16": torch.ops.mkldnn._is_mkldnn_bf16_supported,
+              "float16": torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype, lambda: True)()
+    logger = logging.getLogger("kvserve")  # once an LLM is built it does not propagate to caplog's root
+    logger.addHandler(caplog.handler)
+    try:
+        LLM(str(tiny_model_factory("llama")), dtype=dtype, kv_cache_memory="1MiB", max_model_len=64)
+    finally:
+        logger.removeHandler(caplog.handler)
+    # one record, maybe seen twice (caplog's handler is on the root logger too, until kvserve stops propagating)
+    warned = list({id(r): r.message for r in caplog.records if "no native" in r.message}.values())
+    assert len(warned) == (0 if native else 1)
+    if warned:
+        assert dtype in warned[0] and "--dtype float32" in warned[0]
