@@ -14,8 +14,8 @@ tables), int8 and fp8 with calibrated static key scales, as ``--kv-cache-dtype i
 --kv-scales`` runs them; ``int8-block`` is int8 with key scales per block (also counted), as
 ``--kv-cache-dtype int8`` runs it without a calibration file; ``bf16-fp32q`` is a bf16 pool read by
 float32 queries, as a float32 model (the default on CPUs without AVX512-BF16) runs
-``--kv-cache-dtype bf16``. Pools sit on 2 MB pages, as the engine's do (kvserve.cache.huge_pages);
-a dtype named with ``/4k`` (``bf16/4k``) puts them on 4 KB pages, to compare.
+``--kv-cache-dtype bf16``. Pools are placed as the engine places them (kvserve.cache.huge_pages);
+a dtype named with ``/4k`` or ``/2m`` (``bf16/2m``) forces 4 KB or 2 MB pages, to compare.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import cpu_name, on_small_pages
+from workloads import cpu_name, page_choice
 
 from kvserve.cache.huge_pages import empty_per_block
 from kvserve.cache.kv_quant import KIND_CODES
@@ -73,10 +73,10 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
     pool i (``ops``: a build of the C++ ops, by default this checkout's); with the K/V bytes
     (and scales) per token. Blocks scattered through the pool, as after churn, or (``scattered``
     False) each sequence's in order."""
-    kv_dtype, small_pages = on_small_pages(kv_dtype)
+    kv_dtype, huge = page_choice(kv_dtype)
 
-    def placed(t: torch.Tensor) -> torch.Tensor:  # where the engine would put it
-        return (torch.empty_like(t) if small_pages else empty_per_block(t.shape, t.dtype, t.device)).copy_(t)
+    def placed(t: torch.Tensor) -> torch.Tensor:  # as the engine places it, or on the pages asked for
+        return empty_per_block(t.shape, t.dtype, t.device, huge).copy_(t)
     batch, per = len(lens), [-(-n // block_size) for n in lens]
     num_blocks = sum(per) + 1
     order = (torch.randperm(num_blocks - 1) if scattered else torch.arange(num_blocks - 1)) + 1
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true",
                         help="with --rounds: also time each dtype's first pool read over and over (warm / cold)")
     args = parser.parse_args()
-    unknown = sorted({on_small_pages(d)[0] for d in args.kv_dtypes.split(",")} - set(KV_DTYPES))
+    unknown = sorted({page_choice(d)[0] for d in args.kv_dtypes.split(",")} - set(KV_DTYPES))
     if unknown:
         parser.error(f"--kv-dtypes: unknown {', '.join(unknown)} (choose from {', '.join(KV_DTYPES)})")
     torch.set_num_threads(args.threads)

@@ -13,8 +13,8 @@ spent in the attention kernels, so the rest of the step (linear layers, norms, s
 beside it. All engines stay alive, so a round's dtypes run seconds apart: drift in the machine
 (this VM's memory bandwidth moves by ~20% over minutes) falls on all of them alike. Each dtype
 reports its median over the rounds, and its ratio to the first dtype as the median of the
-rounds' ratios. A dtype named with ``/4k`` (``bf16/4k``) is the same engine with its pools on 4 KB
-pages (``KVSERVE_HUGE_PAGES=0``) instead of 2 MB ones.
+rounds' ratios. A dtype named with ``/4k`` or ``/2m`` (``bf16/2m``) is the same engine with its pools
+on 4 KB or 2 MB pages (``KVSERVE_HUGE_PAGES`` 0 or 1 while it is built).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import start_decoding, time_decode_steps
-from workloads import cpu_name, on_small_pages
+from workloads import cpu_name, page_choice
 
 from kvserve import LLM
 from kvserve.engine.engine import load_model
@@ -58,17 +58,22 @@ def main() -> None:
     profiled = 3
     engines: dict[str, LLM] = {}
     decode = args.rounds * (args.steps + profiled)
-    stored_dtypes = {on_small_pages(d)[0] for d in dtypes}
+    stored_dtypes = {page_choice(d)[0] for d in dtypes}
     widest = 2 if args.dtype == "float32" and ({"auto", "fp32"} & stored_dtypes) else 1  # 32-bit KV: twice 16-bit's
     memory = widest * 5 * 23040 * args.batch * (args.context + decode + 64) // 4  # 16-bit KV for all, + 25%
     for kv_dtype in dtypes:  # every engine prefilled before any step is timed
-        stored, small_pages = on_small_pages(kv_dtype)
+        stored, huge = page_choice(kv_dtype)
         kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and stored == "int8" else {}
-        os.environ["KVSERVE_HUGE_PAGES"] = "0" if small_pages else "1"
+        default_pages = os.environ.get("KVSERVE_HUGE_PAGES")
+        if huge is not None:
+            os.environ["KVSERVE_HUGE_PAGES"] = "1" if huge else "0"
         engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=stored, kv_cache_memory=memory,
                                 enable_prefix_caching=False, max_num_seqs=args.batch, max_num_batched_tokens=2048,
                                 block_size=args.block_size, **kwargs)
-        os.environ.pop("KVSERVE_HUGE_PAGES")
+        if default_pages is None:
+            os.environ.pop("KVSERVE_HUGE_PAGES", None)
+        else:
+            os.environ["KVSERVE_HUGE_PAGES"] = default_pages
         start_decoding(engines[kv_dtype], args.batch, args.context, decode, random_kv=args.fill == "random")
         print(f"{kv_dtype}: {args.batch} x {args.context} prefilled", flush=True)
     for round_index in range(args.rounds):

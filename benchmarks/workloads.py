@@ -33,15 +33,17 @@ class Workload(NamedTuple):
         return sum(len(p) for p in self.prompts)
 
 
-SMALL_PAGES = "/4k"
+PAGE_SUFFIXES = {"/4k": False, "/2m": True}
 
 
-def on_small_pages(kv_dtype: str) -> tuple[str, bool]:
-    """``bf16/4k``: the KV dtype before the suffix, with its pools on 4 KB pages instead of the 2 MB
-    pages kvserve asks for (kvserve.cache.huge_pages), so one run can compare the two."""
-    if kv_dtype.endswith(SMALL_PAGES):
-        return kv_dtype[: -len(SMALL_PAGES)], True
-    return kv_dtype, False
+def page_choice(kv_dtype: str) -> tuple[str, bool | None]:
+    """``bf16/4k``, ``bf16/2m``: the KV dtype before the suffix, its pools forced onto 4 KB or 2 MB
+    pages (kvserve.cache.huge_pages), so one run can compare the two; no suffix: None, the engine's
+    default (KVSERVE_HUGE_PAGES)."""
+    for suffix, huge in PAGE_SUFFIXES.items():
+        if kv_dtype.endswith(suffix):
+            return kv_dtype[: -len(suffix)], huge
+    return kv_dtype, None
 
 
 def top_ops(prof: Any, n: int = 4) -> str:

@@ -313,24 +313,33 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 @pytest.mark.skipif(not THP_MODE.exists(), reason="no transparent huge pages in this kernel")
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
-def test_cpu_pools_ask_for_huge_pages(kind: str) -> None:
-    """Every per-block tensor of a few MB (the pool; int8's and int4's scales) is advised onto 2 MB
-    pages (VmFlags "hg"); a fresh mapping has no such flag until advise_huge_pages gives it one.
-    (Whether the kernel then finds free 2 MB pages is its own business: benchmarks/decode_bandwidth.py's
-    ``/4k`` compares. A plain torch.empty is no control: malloc may hand out memory an earlier pool
-    advised.)"""
+def test_cpu_pools_ask_for_huge_pages_when_asked(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With KVSERVE_HUGE_PAGES=1 every per-block tensor of a few MB (the pool; int8's and int4's
+    scales) is advised onto 2 MB pages (VmFlags "hg"); a fresh mapping has no such flag until
+    advise_huge_pages gives it one. By default nothing is advised (first touches of fresh 2 MB pages
+    cost 10-20 ms where the host backs memory on demand). (Whether the kernel then finds free 2 MB
+    pages is its own business: benchmarks/decode_bandwidth.py's ``/4k``, ``/2m`` compare. A plain
+    torch.empty is no control: malloc may hand out memory an earlier pool advised.)"""
     import mmap
 
-    from kvserve.cache.huge_pages import advise_huge_pages
+    from kvserve.cache import huge_pages
     from kvserve.cache.kv_cache import PagedKVCache
 
-    cache = PagedKVCache(1, 4096, 16, 2, 64, torch.float32, torch.device("cpu"), KVQuantSpec(kind))
-    cache.zero_new_blocks(4095)  # first writes fault the pages in
-    big = [t for t in cache.per_block_tensors() if t.numel() * t.element_size() >= 4 << 20]
+    def pools() -> list[torch.Tensor]:
+        cache = PagedKVCache(1, 4096, 16, 2, 64, torch.float32, torch.device("cpu"), KVQuantSpec(kind))
+        cache.zero_new_blocks(4095)  # first writes fault the pages in
+        return [t for t in cache.per_block_tensors() if t.numel() * t.element_size() >= 4 << 20]
+
+    monkeypatch.setenv("KVSERVE_HUGE_PAGES", "1")
+    big = pools()
     assert big and all("hg" in _mapping_of(t)["VmFlags"].split() for t in big)
     fresh = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region = torch.frombuffer(fresh, dtype=torch.uint8)
     assert "hg" not in _mapping_of(region)["VmFlags"].split()
-    assert advise_huge_pages(region) and "hg" in _mapping_of(region)["VmFlags"].split()
+    assert huge_pages.advise_huge_pages(region) and "hg" in _mapping_of(region)["VmFlags"].split()
     del region
     fresh.close()
+    monkeypatch.delenv("KVSERVE_HUGE_PAGES")
+    advised: list[torch.Tensor] = []
+    monkeypatch.setattr(huge_pages, "advise_huge_pages", advised.append)
+    assert pools() and not advised

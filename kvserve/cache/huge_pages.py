@@ -1,11 +1,15 @@
-"""CPU KV pools on 2 MB pages (Linux transparent huge pages).
+"""CPU KV pools on 2 MB pages (Linux transparent huge pages), opt-in: ``KVSERVE_HUGE_PAGES=1``.
 
 A decode step reads each sequence's blocks scattered through a pool of up to gigabytes. On
 4 KB pages nearly every block read is a TLB miss (a page walk, nested under a VM); on 2 MB
 pages one TLB entry covers hundreds of blocks. Most distributions set THP to ``madvise``, so a
-region gets huge pages only when asked. Measured: decode attention 0.91-0.98x the time over
-cold pools (docs/benchmarks.md, "Session 36"). ``KVSERVE_HUGE_PAGES=0`` keeps 4 KB pages (where
-2 MB commits are unwanted, or to compare).
+region gets huge pages only when asked. Measured on a Zen 3 VM (docs/benchmarks.md, "Session
+36"): decode attention over cold pools 0.91-0.98x the time, a 32 x 4,096 decode step 0.93x. But
+a pool's pages are first touched while serving (blocks are zeroed as they are first handed out),
+and on that VM (Firecracker, whose host backs guest memory on demand) a fresh 2 MB page cost
+~10-20 ms at first touch against ~0.6 ms for 512 4 KB pages: a fresh engine's shared-prefix run
+took 26.3 s against 22.2 s. Hence off by default; worth it where the host backs memory up front
+(bare metal) and for long-lived servers.
 """
 
 from __future__ import annotations
@@ -51,10 +55,12 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(first, last - first, _MADV_HUGEPAGE) == 0
 
 
-def empty_per_block(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.empty for a tensor indexed by block id (a pool or its per-block scales), on huge pages
-    where the CPU allows; its pages are still committed only as blocks are first written."""
+def empty_per_block(size: Sequence[int], dtype: torch.dtype, device: torch.device,
+                    huge: bool | None = None) -> torch.Tensor:
+    """torch.empty for a tensor indexed by block id (a pool or its per-block scales), advised onto
+    huge pages where ``huge`` (None: ``KVSERVE_HUGE_PAGES=1``) and the CPU allow; its pages are
+    still committed only as blocks are first written."""
     tensor = torch.empty(tuple(size), dtype=dtype, device=device)
-    if os.environ.get("KVSERVE_HUGE_PAGES", "1") != "0":
+    if huge if huge is not None else os.environ.get("KVSERVE_HUGE_PAGES", "0") == "1":
         advise_huge_pages(tensor)
     return tensor
