@@ -43,7 +43,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back the whole 2 MB pages inside ``tensor``'s bytes with huge pages
     (madvise MADV_HUGEPAGE). Call it before the bytes are first touched: pages already faulted
     in stay 4 KB until khugepaged merges them. True when advised; False (and nothing changed)
-    off CPU or Linux, under one whole huge page, or when the kernel refuses (THP off)."""
+    off CPU or Linux, under one whole huge page, or when madvise fails (a kernel without THP)."""
     libc = _libc()
     if libc is None or tensor.device.type != "cpu":
         return False
@@ -61,6 +61,8 @@ def empty_per_block(size: Sequence[int], dtype: torch.dtype, device: torch.devic
     huge pages where ``huge`` (None: ``KVSERVE_HUGE_PAGES=1``) and the CPU allow; its pages are
     still committed only as blocks are first written."""
     tensor = torch.empty(tuple(size), dtype=dtype, device=device)
-    if huge if huge is not None else os.environ.get("KVSERVE_HUGE_PAGES", "0") == "1":
+    if huge is None:
+        huge = os.environ.get("KVSERVE_HUGE_PAGES", "0") == "1"
+    if huge:
         advise_huge_pages(tensor)
     return tensor
