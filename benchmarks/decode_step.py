@@ -26,6 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -64,16 +65,11 @@ def main() -> None:
     for kv_dtype in dtypes:  # every engine prefilled before any step is timed
         stored, huge = page_choice(kv_dtype)
         kwargs: dict[str, Any] = {"kv_scales": args.kv_scales} if args.kv_scales and stored == "int8" else {}
-        default_pages = os.environ.get("KVSERVE_HUGE_PAGES")
-        if huge is not None:
-            os.environ["KVSERVE_HUGE_PAGES"] = "1" if huge else "0"
-        engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=stored, kv_cache_memory=memory,
-                                enable_prefix_caching=False, max_num_seqs=args.batch, max_num_batched_tokens=2048,
-                                block_size=args.block_size, **kwargs)
-        if default_pages is None:
-            os.environ.pop("KVSERVE_HUGE_PAGES", None)
-        else:
-            os.environ["KVSERVE_HUGE_PAGES"] = default_pages
+        pages = {} if huge is None else {"KVSERVE_HUGE_PAGES": "1" if huge else "0"}
+        with mock.patch.dict(os.environ, pages):  # read as the pools are allocated
+            engines[kv_dtype] = LLM(loaded=loaded, kv_cache_dtype=stored, kv_cache_memory=memory,
+                                    enable_prefix_caching=False, max_num_seqs=args.batch,
+                                    max_num_batched_tokens=2048, block_size=args.block_size, **kwargs)
         start_decoding(engines[kv_dtype], args.batch, args.context, decode, random_kv=args.fill == "random")
         print(f"{kv_dtype}: {args.batch} x {args.context} prefilled", flush=True)
     for round_index in range(args.rounds):

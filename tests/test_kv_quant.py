@@ -291,9 +291,9 @@ def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(ki
 
 def _mapping_of(tensor: torch.Tensor) -> dict[str, str]:
     """/proc/self/smaps' fields for the mapping that holds ``tensor``'s first whole 2 MB page."""
-    from kvserve.cache.huge_pages import HUGE_PAGE_BYTES
+    from kvserve.cache.huge_pages import first_huge_page
 
-    address = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    address = first_huge_page(tensor)
     fields: dict[str, str] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head, _, rest = line.partition(" ")

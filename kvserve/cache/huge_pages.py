@@ -4,11 +4,11 @@ A decode step reads each sequence's blocks scattered through a pool of up to gig
 4 KB pages nearly every block read is a TLB miss (a page walk, nested under a VM); on 2 MB
 pages one TLB entry covers hundreds of blocks. Most distributions set THP to ``madvise``, so a
 region gets huge pages only when asked. Measured on a Zen 3 VM (docs/benchmarks.md, "Session
-36"): decode attention over cold pools 0.91-0.98x the time, a 32 x 4,096 decode step 0.93x. But
+36"): decode attention over cold pools 0.92-1.03x the time, a 32 x 4,096 decode step 0.93x. But
 a pool's pages are first touched while serving (blocks are zeroed as they are first handed out),
 and on that VM (Firecracker, whose host backs guest memory on demand) a fresh 2 MB page cost
-~10-20 ms at first touch against ~0.6 ms for 512 4 KB pages: a fresh engine's shared-prefix run
-took 26.3 s against 22.2 s. Hence off by default; worth it where the host backs memory up front
+~16 ms at first touch against ~0.7 ms for 512 4 KB pages: a fresh engine's shared-prefix run
+took 27.4 s against 23.1 s. Hence off by default; worth it where the host backs memory up front
 (bare metal) and for long-lived servers.
 """
 
@@ -39,6 +39,11 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+def first_huge_page(tensor: torch.Tensor) -> int:
+    """The address of the first 2 MB page boundary in or at the start of ``tensor``'s bytes."""
+    return -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back the whole 2 MB pages inside ``tensor``'s bytes with huge pages
     (madvise MADV_HUGEPAGE). Call it before the bytes are first touched: pages already faulted
@@ -47,9 +52,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     libc = _libc()
     if libc is None or tensor.device.type != "cpu":
         return False
-    start = tensor.data_ptr()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = (start + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    first = first_huge_page(tensor)
+    last = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if last <= first:
         return False
     return libc.madvise(first, last - first, _MADV_HUGEPAGE) == 0

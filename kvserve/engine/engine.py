@@ -138,20 +138,19 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def warn_if_matmuls_emulated(device: torch.device, dtype: torch.dtype) -> bool:
+def warn_if_matmuls_emulated(device: torch.device, dtype: torch.dtype) -> None:
     """Say so where torch has no native matmul for a 16-bit model dtype on this CPU (no AVX-512:
-    an AVX2 CPU emulates bf16 and float16 products), with the way out; True when it warned."""
+    an AVX2 CPU emulates bf16 and float16 products), with the way out."""
     native = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
               torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
     if device.type != "cpu" or native is None or native():
-        return False
+        return
     name = str(dtype).removeprefix("torch.")
     logger.warning("dtype %s: this CPU (%s) has no native %s matmul, so the linear layers run emulated, several "
                    "times slower than in float32 (bf16 on a Zen 3: the rest of a 32 x 4,096 decode step, mostly "
                    "linear layers, 500 ms against 126 ms; docs/benchmarks.md, session 35); --dtype float32 (the "
                    "CPU default) with --kv-cache-dtype bf16 keeps the KV memory saving at float32 speed",
                    name, torch.backends.cpu.get_cpu_capability(), name)
-    return True
 
 
 class LLMEngine:
