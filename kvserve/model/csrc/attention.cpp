@@ -218,7 +218,8 @@ static void decode_kernel(const Q* q, int64_t q_stride, const T* kv, const int64
                           int64_t width, int64_t block_size, float scale, float* lse_out) {
   const int64_t group = heads / kv_heads;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  // bf16 queries only: the bf16 dot products would round float32 queries to bf16
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, T>) {
     if (const Bf16Job bf16 = bf16_job(dim, group); bf16 != nullptr) {
       // unscaled queries: the job scales the scores
       return decode_driver(q, q_stride, lens, out, out_stride, batch, heads, kv_heads, dim, 1.f,
