@@ -294,6 +294,9 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
 }
 
+// query rows per tile of the AVX-512 prefill kernels (head_dim 16 * nv): accumulators that fit the registers
+constexpr int register_rows(int nv) { return nv == 4 ? 4 : 2; }
+
 #if defined(__AVX512BF16__)
 constexpr float kSoftmaxSlack = 12.f;  // log2 units: a flash kernel's unnormalized weights stay below 2^12
 // the flash kernels score in log2 units: scores scaled by kLog2e (common.h)
@@ -318,6 +321,76 @@ static inline __m512 exp2_16(__m512 y) {
 
 constexpr int64_t kFlashChunk = 256;  // keys per online-softmax step: a tile's scores stay in L1
 
+
+// One chunk of n keys from c0 for one tile of RB rows (prefill_rows_bf16): scores, the running
+// maxima (rescaling acc and total where one passes the maximum in use), weights, values.
+template <int NV, int RB>
+static inline void flash_chunk_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p,
+                                    const uint32_t* values_p, int64_t c0, int64_t n, float scale2, float* acc,
+                                    float* top_in_use, float* total) {
+  constexpr int64_t dim = NV * 16, pairs = dim / 2;
+  alignas(64) float scores[RB][kFlashChunk];
+  alignas(64) uint32_t weights[RB][kFlashChunk / 2];  // bf16 key pairs
+  for (int64_t j = 0; j < n; j += 32) {  // 32 keys a pass: each broadcast query pair serves two
+    // sums [r][16 keys][pair parity]: 4 * RB independent chains, since one chain of vdpbf16ps
+    // waits on its latency (Zen 5: 16 chains run 1.5x as many a second as 8, scratch loop)
+    __m512 s[RB][2][2];
+    for (int r = 0; r < RB; ++r) s[r][0][0] = s[r][0][1] = s[r][1][0] = s[r][1][1] = _mm512_setzero_ps();
+    const uint32_t* tile = keys_p + (c0 + j) * pairs;
+    for (int64_t i = 0; i < pairs; i += 2) {  // pairs = dim / 2 is even
+      __m512bh k[2][2];
+      for (int u = 0; u < 2; ++u)
+        for (int half = 0; half < 2; ++half) k[half][u] = (__m512bh)_mm512_loadu_si512(tile + 32 * (i + u) + 16 * half);
+      for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < 2; ++u) {
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i + u]));
+          for (int half = 0; half < 2; ++half) s[r][half][u] = _mm512_dpbf16_ps(s[r][half][u], qv, k[half][u]);
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int half = 0; half < 2; ++half)
+        _mm512_store_ps(&scores[r][j + 16 * half], _mm512_add_ps(s[r][half][0], s[r][half][1]));
+  }
+  for (int r = 0; r < RB; ++r) {
+    const int64_t len = row_len[r] - c0;  // the row sees this chunk's keys [0, len)
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < std::min(n, len); t += 16)
+      vmax = _mm512_mask_max_ps(vmax, tail_mask(len - t), vmax, _mm512_load_ps(&scores[r][t]));
+    const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale2 : -std::numeric_limits<float>::infinity();
+    if (top > top_in_use[r] + kSoftmaxSlack) {
+      const float factor = std::exp2(std::max(top_in_use[r] - top, -200.f));
+      total[r] *= factor;
+      for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= factor;
+      top_in_use[r] = top;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(-top_in_use[r]);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 32) {
+      const __m512 e0 = _mm512_maskz_mov_ps(tail_mask(len - t),
+                                            exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t]), vscale, shift)));
+      const __m512 e1 = _mm512_maskz_mov_ps(tail_mask(len - t - 16),
+                                            exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t + 16]), vscale, shift)));
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+      _mm512_store_si512(&weights[r][t / 2], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    total[r] += _mm512_reduce_add_ps(vsum);
+  }
+  __m512 a[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc + r * dim + 16 * i);
+  const uint32_t* vp = values_p + c0 / 2 * dim;
+  for (int64_t jp = 0; jp < n / 2; ++jp) {
+    __m512bh v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vp + jp * dim + 16 * i);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][jp]));
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], p, v[i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
+}
+
 // prefill_rows for bf16 pools in AVX512-BF16 dot products, as a flash kernel: keys go by
 // kFlashChunk at a time with a running maximum per row (log2 units), the outputs rescaled only
 // when a chunk's maximum passes the one in use by more than kSoftmaxSlack. Keys are bf16 pairs
@@ -326,83 +399,31 @@ constexpr int64_t kFlashChunk = 256;  // keys per online-softmax step: a tile's 
 // there), the query unscaled bf16 pairs (exact; the scale goes on the scores): one vdpbf16ps is
 // 16 keys x 2 dims of the scores, or 16 dims x 2 keys of the output, where the float32 path's
 // FMA does 16 x 1. Weights are rounded to bf16 for the values (as SDPA's flash path does for
-// bf16): 2^-9 relative per weight. acc is the RB rows' accumulator, normalized at the end.
-template <int NV, int RB>
+// bf16): 2^-9 relative per weight. acc is the rows' accumulator, normalized at the end. The rows
+// go as T tiles of RB (RB: what the registers hold), every tile taking a chunk of keys before
+// the next chunk is read: one (sequence, KV head)'s keys and values at 6,000 tokens are 1.5 MB,
+// more than a core's L2, and 4 rows alone use each key 8 times for its 256 bytes read.
+template <int NV, int RB, int T>
 static void prefill_rows_bf16(const uint32_t* qp, const int64_t* row_len, const uint32_t* keys_p,
                               const uint32_t* values_p, float scale, float* acc, float* lse) {
-  constexpr int64_t dim = NV * 16, pairs = dim / 2;
-  alignas(64) float scores[RB][kFlashChunk];
-  alignas(64) uint32_t weights[RB][kFlashChunk / 2];  // bf16 key pairs
-  float top_in_use[RB], total[RB];
-  int64_t max_len = 0;
-  for (int r = 0; r < RB; ++r) {
-    max_len = std::max(max_len, row_len[r]);
+  constexpr int64_t dim = NV * 16, pairs = dim / 2, rows = RB * T;
+  float top_in_use[rows], total[rows];
+  int64_t padded[T] = {};  // per tile: its longest row, padded to 32 (<= stride: the kernel pads sequences to 32)
+  for (int r = 0; r < rows; ++r) {
+    padded[r / RB] = std::max(padded[r / RB], (row_len[r] + 31) / 32 * 32);
     top_in_use[r] = -1e30f;  // finite: a first chunk's rescale factor is 2^-200 = 0, not NaN
     total[r] = 0.f;
   }
-  std::fill(acc, acc + RB * dim, 0.f);
-  const int64_t padded = (max_len + 31) / 32 * 32;  // <= stride: the kernel pads sequences to 32
+  std::fill(acc, acc + rows * dim, 0.f);
+  const int64_t longest = *std::max_element(padded, padded + T);
   const float scale2 = scale * kLog2e;
-  for (int64_t c0 = 0; c0 < padded; c0 += kFlashChunk) {
-    const int64_t n = std::min(kFlashChunk, padded - c0);
-    for (int64_t j = 0; j < n; j += 32) {  // 32 keys a pass: each broadcast query pair serves two
-      __m512 s[RB][2];
-      for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-      const uint32_t* tile = keys_p + (c0 + j) * pairs;
-      for (int64_t i = 0; i < pairs; ++i) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + 32 * i);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + 32 * i + 16);
-        for (int r = 0; r < RB; ++r) {
-          const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
-          s[r][0] = _mm512_dpbf16_ps(s[r][0], qv, k0);
-          s[r][1] = _mm512_dpbf16_ps(s[r][1], qv, k1);
-        }
-      }
-      for (int r = 0; r < RB; ++r) {
-        _mm512_store_ps(&scores[r][j], s[r][0]);
-        _mm512_store_ps(&scores[r][j + 16], s[r][1]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      const int64_t len = row_len[r] - c0;  // the row sees this chunk's keys [0, len)
-      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < std::min(n, len); t += 16)
-        vmax = _mm512_mask_max_ps(vmax, tail_mask(len - t), vmax, _mm512_load_ps(&scores[r][t]));
-      const float top = len > 0 ? _mm512_reduce_max_ps(vmax) * scale2 : -std::numeric_limits<float>::infinity();
-      if (top > top_in_use[r] + kSoftmaxSlack) {
-        const float factor = std::exp2(std::max(top_in_use[r] - top, -200.f));
-        total[r] *= factor;
-        for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= factor;
-        top_in_use[r] = top;
-      }
-      const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(-top_in_use[r]);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t t = 0; t < n; t += 32) {
-        const __m512 e0 = _mm512_maskz_mov_ps(tail_mask(len - t),
-                                              exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t]), vscale, shift)));
-        const __m512 e1 = _mm512_maskz_mov_ps(tail_mask(len - t - 16),
-                                              exp2_16(_mm512_fmadd_ps(_mm512_load_ps(&scores[r][t + 16]), vscale, shift)));
-        vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
-        _mm512_store_si512(&weights[r][t / 2], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      }
-      total[r] += _mm512_reduce_add_ps(vsum);
-    }
-    __m512 a[RB][NV];
-    for (int r = 0; r < RB; ++r)
-      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc + r * dim + 16 * i);
-    const uint32_t* vp = values_p + c0 / 2 * dim;
-    for (int64_t jp = 0; jp < n / 2; ++jp) {
-      __m512bh v[NV];
-      for (int i = 0; i < NV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vp + jp * dim + 16 * i);
-      for (int r = 0; r < RB; ++r) {
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r][jp]));
-        for (int i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], p, v[i]);
-      }
-    }
-    for (int r = 0; r < RB; ++r)
-      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * dim + 16 * i, a[r][i]);
-  }
-  for (int r = 0; r < RB; ++r) {
+  for (int64_t c0 = 0; c0 < longest; c0 += kFlashChunk)
+    for (int t = 0; t < T; ++t)
+      if (c0 < padded[t])
+        flash_chunk_bf16<NV, RB>(qp + t * RB * pairs, row_len + t * RB, keys_p, values_p, c0,
+                                 std::min(kFlashChunk, padded[t] - c0), scale2, acc + t * RB * dim,
+                                 top_in_use + t * RB, total + t * RB);
+  for (int r = 0; r < rows; ++r) {
     const float inv = row_len[r] > 0 ? 1.f / total[r] : 0.f;
     for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] *= inv;
     if (lse != nullptr && row_len[r] > 0) lse[r] = log_sum_exp_of(top_in_use[r], total[r]);
@@ -711,7 +732,8 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
 #endif
       } else if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        prefill_rows_bf16<NV, RB>(qw.data(), row_len, kt, vs, scale, acc.data(), lse);
+        prefill_rows_bf16<NV, register_rows(NV), RB / register_rows(NV)>(qw.data(), row_len, kt, vs, scale, acc.data(),
+                                                                         lse);
 #endif
       } else {
         prefill_rows<NV, RB>(qw.data(), row_len, kt, stride, vs, scores.data(), acc.data(), lse);
@@ -730,6 +752,7 @@ static void prefill_kernel(const T* q, int64_t q_stride, const int64_t* lens, O*
 }
 
 constexpr int kAmxRows = 32;  // query rows per AMX tile job (two 16-row tiles)
+constexpr int kPairTiles = 4;  // tiles of register_rows per prefill_rows_bf16 job (see there)
 
 // The prefill kernel for this head size; false where there is no vector path for it. (head_dim
 // 256 with one query row per tile measured 2x slower than SDPA's causal flash path: none.)
@@ -746,7 +769,7 @@ static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* ou
                                                               heads, kv_heads, scale, fill, causal, lse_out);
     }
 #endif
-    constexpr int kRows = NV == 4 ? 4 : 2;  // query rows per tile: accumulators that fit the registers
+    constexpr int kRows = kPairs ? register_rows(NV) * kPairTiles : register_rows(NV);
     prefill_kernel<T, NV, kRows, kPairs, false, O>(q, q_stride, lens, out, out_stride, batch, query_len, heads,
                                                     kv_heads, scale, fill, causal, lse_out);
   };
