@@ -321,7 +321,6 @@ static inline __m512 exp2_16(__m512 y) {
 
 constexpr int64_t kFlashChunk = 256;  // keys per online-softmax step: a tile's scores stay in L1
 
-
 // One chunk of n keys from c0 for one tile of RB rows (prefill_rows_bf16): scores, the running
 // maxima (rescaling acc and total where one passes the maximum in use), weights, values.
 template <int NV, int RB>
