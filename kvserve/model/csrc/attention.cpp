@@ -58,7 +58,8 @@ static void decode_job_scalar(const float* qf, const T* kv, const int64_t* table
 // used by all G heads. Walks each block's contiguous [block_size, dim] tile.
 template <typename T, int NV, int G>
 static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table, int64_t len, int64_t h,
-                              int64_t kv_heads, int64_t block_size, float* probs, float* acc, float* lse) {
+                              int64_t kv_heads, int64_t block_size, float* probs, float* acc, float* lse,
+                              const NextKeys& next) {
   constexpr int64_t dim = NV * 16;
   const int64_t block_stride = 2 * kv_heads * block_size * dim;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
@@ -94,6 +95,8 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
     const T* tile = value_base + table[blk] * block_stride;
     const int64_t first = blk * block_size, n = std::min(block_size, len - first);
     for (int64_t t = 0; t < n; ++t) {
+      if (const T* key = next.rows(kv, block_stride, block_size, dim, blk, t); key != nullptr)
+        prefetch_row(key, dim * sizeof(T));  // the next job's keys (NextKeys)
       __m512 v[NV];
       for (int i = 0; i < NV; ++i) v[i] = load16(tile + t * dim + 16 * i);
       accumulate_row<NV, G>(reg, v, probs, len, first + t);
@@ -115,7 +118,7 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
 template <int NB, int G>
 static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int64_t* table, int64_t len, int64_t h,
                             int64_t kv_heads, int64_t block_size, float scale, float* probs, float* acc,
-                            float* lse) {
+                            float* lse, const NextKeys& next) {
   constexpr int64_t dim = NB * 32;
   const int64_t block_stride = 2 * kv_heads * block_size * dim, value_offset = kv_heads * block_size * dim;
   __m512bh qb[G][NB];
@@ -160,6 +163,8 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
     const c10::BFloat16* tile = key_base + value_offset + table[b] * block_stride;
     const int64_t first = b * block_size, m = std::min(block_size, len - first);
     for (int64_t r = 0; r < m; ++r) {
+      if (const c10::BFloat16* key = next.rows(kv, block_stride, block_size, dim, b, r); key != nullptr)
+        prefetch_row(key, dim * 2);  // the next job's keys (NextKeys)
       __m512 v[2 * NB];
       for (int j = 0; j < NB; ++j) widen_bf16_words(_mm512_loadu_si512(tile + r * dim + 32 * j), v[2 * j], v[2 * j + 1]);
       accumulate_row<2 * NB, G>(reg, v, probs, len, first + r);
@@ -176,7 +181,7 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
 }
 
 using Bf16Job = void (*)(const float*, const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float,
-                         float*, float*, float*);
+                         float*, float*, float*, const NextKeys&);
 
 template <int NB>
 static Bf16Job bf16_group(int64_t group) {
@@ -194,7 +199,7 @@ static Bf16Job bf16_job(int64_t dim, int64_t group) {
 // The vector job for this (dim, group), or nullptr where only the portable job applies.
 template <typename T>
 using DecodeJob = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
-                           float*);
+                           float*, const NextKeys&);
 
 template <typename T, int NV>
 static DecodeJob<T> pick_group(int64_t group) {
@@ -222,9 +227,10 @@ static void decode_kernel(const Q* q, int64_t q_stride, const T* kv, const int64
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, T>) {
     if (const Bf16Job bf16 = bf16_job(dim, group); bf16 != nullptr) {
       // unscaled queries: the job scales the scores
-      return decode_driver(q, q_stride, lens, out, out_stride, batch, heads, kv_heads, dim, 1.f,
-                           [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float* lse) {
-        bf16(qf, kv, tables + b * width, len, h, kv_heads, block_size, scale, probs, acc, lse);
+      return decode_driver(q, q_stride, tables, width, lens, out, out_stride, batch, heads, kv_heads, dim, 1.f,
+                           [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float* lse,
+                               const NextKeys& next) {
+        bf16(qf, kv, tables + b * width, len, h, kv_heads, block_size, scale, probs, acc, lse, next);
       }, lse_out);
     }
   }
@@ -232,11 +238,12 @@ static void decode_kernel(const Q* q, int64_t q_stride, const T* kv, const int64
 #if defined(__AVX512F__)
   const DecodeJob<T> job_fn = vector_job<T>(dim, group);
 #endif
-  decode_driver(q, q_stride, lens, out, out_stride, batch, heads, kv_heads, dim, scale,
-                [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float* lse) {
+  decode_driver(q, q_stride, tables, width, lens, out, out_stride, batch, heads, kv_heads, dim, scale,
+                [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float* lse,
+                    [[maybe_unused]] const NextKeys& next) {
     const int64_t* table = tables + b * width;
 #if defined(__AVX512F__)
-    if (job_fn != nullptr) return job_fn(qf, kv, table, len, h, kv_heads, block_size, probs, acc, lse);
+    if (job_fn != nullptr) return job_fn(qf, kv, table, len, h, kv_heads, block_size, probs, acc, lse, next);
 #endif
     thread_local std::vector<float> tile;
     tile.resize(block_size * dim);
