@@ -71,7 +71,9 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
   // the first KV head's job may pull each next whole block (all heads) into L2 for the jobs
   // of the other heads (prefetch_whole_blocks).
   constexpr int64_t kAhead = 32;
-  const bool whole_blocks = h == 0 && prefetch_whole_blocks(len * 2 * kv_heads * dim * static_cast<int64_t>(sizeof(T)));
+  const int64_t sequence_bytes = len * 2 * kv_heads * dim * static_cast<int64_t>(sizeof(T));
+  const bool whole_blocks = h == 0 && prefetch_whole_blocks(sequence_bytes);
+  const NextKeys next_keys = next.unless_short(sequence_bytes);
   const T* key_base = kv + h * block_size * dim;
   const T* value_base = kv + (kv_heads + h) * block_size * dim;
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
@@ -94,9 +96,9 @@ static void decode_job_avx512(const float* qf, const T* kv, const int64_t* table
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const T* tile = value_base + table[blk] * block_stride;
     const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+    const NextRows<T> ahead = next_keys.rows(kv, block_stride, block_size, dim, blk, n);
     for (int64_t t = 0; t < n; ++t) {
-      if (const T* key = next.rows(kv, block_stride, block_size, dim, blk, t); key != nullptr)
-        prefetch_row(key, dim * sizeof(T));  // the next job's keys (NextKeys)
+      if (t < ahead.count) prefetch_row(ahead.first + t * dim, dim * sizeof(T));  // the next job's keys (NextKeys)
       __m512 v[NV];
       for (int i = 0; i < NV; ++i) v[i] = load16(tile + t * dim + 16 * i);
       accumulate_row<NV, G>(reg, v, probs, len, first + t);
@@ -130,6 +132,7 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   constexpr int64_t kAhead = 32;  // rows: blocks are scattered, so prefetch where hardware would stop
   int64_t blk = 0, t = 0, ahead_blk = kAhead / block_size, ahead_t = kAhead % block_size;
   const bool whole_blocks = h == 0 && prefetch_whole_blocks(len * 2 * kv_heads * dim * 2);
+  const NextKeys next_keys = next.unless_short(len * 2 * kv_heads * dim * 2);
   const c10::BFloat16* rows[16];
   for (int64_t pos = 0; pos < len; pos += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - pos));
@@ -162,9 +165,9 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   for (int64_t b = 0; b < num_blocks; ++b) {
     const c10::BFloat16* tile = key_base + value_offset + table[b] * block_stride;
     const int64_t first = b * block_size, m = std::min(block_size, len - first);
+    const NextRows<c10::BFloat16> ahead = next_keys.rows(kv, block_stride, block_size, dim, b, m);
     for (int64_t r = 0; r < m; ++r) {
-      if (const c10::BFloat16* key = next.rows(kv, block_stride, block_size, dim, b, r); key != nullptr)
-        prefetch_row(key, dim * 2);  // the next job's keys (NextKeys)
+      if (r < ahead.count) prefetch_row(ahead.first + r * dim, dim * 2);  // the next job's keys (NextKeys)
       __m512 v[2 * NB];
       for (int j = 0; j < NB; ++j) widen_bf16_words(_mm512_loadu_si512(tile + r * dim + 32 * j), v[2 * j], v[2 * j + 1]);
       accumulate_row<2 * NB, G>(reg, v, probs, len, first + r);

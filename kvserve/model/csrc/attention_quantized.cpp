@@ -170,30 +170,6 @@ struct QuantPool {
   }
 };
 
-// Key rows [p, p + m) of head h, not past p's block or end, and at a block's start its key
-// tables (int4 affines, per-block scales). Always inlined (see prefetch_key_pass).
-__attribute__((always_inline)) static inline void prefetch_keys(const QuantPool& pool, const int64_t* table, int64_t h,
-                                                               int64_t p, int64_t m, int64_t end) {
-  if (p >= end) return;
-  const int64_t offset = pool.blocks.offset(p);
-  prefetch_row(pool.row_at(table, h, p), std::min({m, pool.block_size - offset, end - p}) * pool.row_bytes);
-  if (offset != 0) return;
-  const int64_t head_block = table[pool.blocks.block(p)] * pool.kv_heads + h;
-  if (pool.key_affine != nullptr) prefetch_row(pool.key_affine + head_block * 2 * pool.dim, 4 * pool.dim);
-  else if (pool.key_per_block) prefetch_row(pool.key_scales + head_block * pool.dim, 4 * pool.dim);
-}
-
-// The next job's key rows [p, p + m) (NextKeys), as a value pass reaches p: the int8 and int4
-// jobs' value passes, kNextKeyRows at a time (32 x 2,048 cold on a Zen 5: int8 0.88-0.97x the
-// time, int4 0.93-0.99x). Not fp8's: its value pass ran 1.2-1.3x slower with them, the
-// prefetch itself (the same build without it was as fast as before); not understood.
-constexpr int64_t kNextKeyRows = 8;
-
-__attribute__((always_inline)) static inline void prefetch_next_keys(const QuantPool& pool, const NextKeys& next,
-                                                                    int64_t p, int64_t m) {
-  if (next.table != nullptr) prefetch_keys(pool, next.table, next.h, p, m, next.len);
-}
-
 // A quantized decode job's software prefetch, called as the key pass starts rows [pos, pos + m)
 // (within one block) of head h: those rows' values and value scales (int4: affines), for the
 // value pass (which then runs from L2), and the key rows kPrefetchAheadRows further on (prefetch_slice), with their
@@ -206,8 +182,16 @@ __attribute__((always_inline)) static inline void prefetch_next_keys(const Quant
 // out of line once this file stood alone: int4 decode 1.5x slower hot).
 __attribute__((always_inline)) static inline void prefetch_key_pass(const QuantPool& pool, const int64_t* table,
                                                                    int64_t h, int64_t pos, int64_t m, int64_t end) {
-  const int64_t rb = pool.row_bytes;
-  auto keys_from = [&](int64_t p, int64_t) { prefetch_keys(pool, table, h, p, m, end); };
+  const int64_t bs = pool.block_size, rb = pool.row_bytes;
+  auto keys_from = [&](int64_t p, int64_t) {  // up to m rows, not past p's block or end; at a block's start its key tables
+    if (p >= end) return;
+    const int64_t offset = pool.blocks.offset(p);
+    prefetch_row(pool.row_at(table, h, p), std::min({m, bs - offset, end - p}) * rb);
+    if (offset != 0) return;
+    const int64_t head_block = table[pool.blocks.block(p)] * pool.kv_heads + h;
+    if (pool.key_affine != nullptr) prefetch_row(pool.key_affine + head_block * 2 * pool.dim, 4 * pool.dim);
+    else if (pool.key_per_block) prefetch_row(pool.key_scales + head_block * pool.dim, 4 * pool.dim);
+  };
   auto values_at = [&](int64_t p, int64_t) {
     prefetch_row(pool.row_at(table, pool.kv_heads + h, p), m * rb);
     const int64_t token = pool.token_index(table, h, p);
@@ -270,8 +254,7 @@ static void tile_rows(const QuantPool& pool, const int64_t* table, int64_t blk, 
 
 template <int KIND, int NV, int G>
 static void decode_quant_avx512(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
-                                int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile,
-                                [[maybe_unused]] const NextKeys& next) {
+                                int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
   constexpr int64_t dim = NV * 16;
   const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs;
   const int64_t kv_heads = pool.kv_heads, rb = pool.row_bytes;
@@ -359,7 +342,7 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
 }
 
 using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_t, int64_t, int64_t, float*, float*,
-                          float*, const NextKeys&);
+                          float*);
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // int8 and int4 pools on CPUs with AVX512-VNNI: the dot products in integers. Keys: the query
@@ -500,8 +483,7 @@ static inline void key_bytes_transposed(const uint8_t* rows, int64_t rb, int m, 
 
 template <int KIND, int NB, int G>
 static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
-                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile,
-                            const NextKeys& next) {
+                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
   constexpr int64_t dim = NB * 32;
   constexpr int NV = 2 * NB;
   const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs, kv_heads = pool.kv_heads;
@@ -632,7 +614,6 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
       const uint8_t* rows = head_values + table[blk0 + t0 / bs] * pool.block_bytes();
       const int64_t m = std::min(bs, n - t0);
       for (int64_t t = 0; t < m; t += 2) {
-        if (t % kNextKeyRows == 0) prefetch_next_keys(pool, next, first + t0 + t, kNextKeyRows);
         __m512i first_row[NB], second_row[NB], lo[NB], hi[NB];
         widen_codes<KIND, NB>(rows + t * rb, first_row);
         if (t + 1 < m) widen_codes<KIND, NB>(rows + (t + 1) * rb, second_row);
@@ -720,8 +701,7 @@ static void fp8_bf16_bytes(const float* lut, uint8_t* bytes) {
 
 template <int NC, int G, bool SPLIT>
 static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
-                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile,
-                            [[maybe_unused]] const NextKeys& next) {  // see kNextKeyRows
+                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
   constexpr int64_t dim = NC * 64;
   constexpr int NB = 2 * NC, NV = 4 * NC;  // bf16 word vectors, float32 vectors per row
   const Fp8Bytes bytes(pool.fp8_bytes);
@@ -1292,14 +1272,17 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
                                 : dim == 128 ? pick_quant_kind<8>(kind, group, split)
                                 : dim == 256 ? pick_quant_kind<16>(kind, group, split) : nullptr;
 #endif
+        // NextKeys unused: prefetching the next job's keys in the value passes, as the bf16 job does,
+        // made int8 0.82-0.84x the time at 32 x 2,048 cold (blocks 32-128, Zen 5) but 1.17-1.19x at
+        // 2-32 sequences of 140-512 tokens, and fp8 1.2-1.3x even cold; not understood
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), tab, width, lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                       out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
                       [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float*,
-                          [[maybe_unused]] const NextKeys& next) {
+                          const NextKeys&) {
           thread_local std::vector<float> tile;
           tile.resize(bs * dim);
 #if defined(__AVX512F__)
-          if (job_fn != nullptr) return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data(), next);
+          if (job_fn != nullptr) return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data());
 #endif
           decode_quant_scalar(qf, pool, tab + b * width, len, slot_of(b), h, group, probs, acc, tile.data());
         });
