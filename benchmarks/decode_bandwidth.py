@@ -14,13 +14,16 @@ tables), int8 and fp8 with calibrated static key scales, as ``--kv-cache-dtype i
 --kv-scales`` runs them; ``int8-block`` is int8 with key scales per block (also counted), as
 ``--kv-cache-dtype int8`` runs it without a calibration file; ``bf16-fp32q`` is a bf16 pool read by
 float32 queries, as a float32 model (the default on CPUs without AVX512-BF16) runs
-``--kv-cache-dtype bf16``. Pools are placed as the engine places them (kvserve.cache.huge_pages);
+``--kv-cache-dtype bf16``. ``read-pattern`` is not attention but its floor: the bytes a bf16 step
+reads, in the kernel's order, summed with no other compute (C++ built here; READ_PATTERN_SOURCE).
+Pools are placed as the engine places them (kvserve.cache.huge_pages);
 a dtype named with ``/4k`` or ``/2m`` (``bf16/2m``) forces 4 KB or 2 MB pages, to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from native import native_library
 from workloads import cpu_name, page_choice
 
 from kvserve.cache.huge_pages import empty_per_block
@@ -41,8 +45,34 @@ from kvserve.model.attention import fp8_table
 from kvserve.model.cpu_kernels import cpu_op
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
-DEFAULT_KV_DTYPES = ("bf16", "int8", "int4", "fp8")
+DEFAULT_KV_DTYPES = ("bf16", "read-pattern", "int8", "int4", "fp8")
 KV_DTYPES = (*DEFAULT_KV_DTYPES, "int8-block", "bf16-fp32q")
+
+# The floor of the decode kernels' access pattern: what a bf16 decode step reads, in its order (a
+# thread takes a sequence; per KV head, its key rows through the block table, then its value
+# rows), summed as 64-bit words with no other compute and no software prefetch.
+READ_PATTERN_SOURCE = r"""
+#include <cstdint>
+extern "C" uint64_t read_pattern(const uint16_t* pool, const int64_t* tables, const int64_t* lens, long batch,
+                                 long width, long kv_heads, long block_size, long dim, int threads) {
+  const long tile = block_size * dim, block_stride = 2 * kv_heads * tile, row_words = dim / 4;
+  uint64_t total = 0;
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : total)
+  for (long b = 0; b < batch; ++b) {
+    uint64_t sum = 0;
+    for (long h = 0; h < kv_heads; ++h)
+      for (long part = 0; part < 2; ++part)  // keys, then values
+        for (long pos = 0; pos < lens[b]; pos += block_size) {
+          const long rows = lens[b] - pos < block_size ? lens[b] - pos : block_size;
+          const uint64_t* words = reinterpret_cast<const uint64_t*>(
+              pool + tables[b * width + pos / block_size] * block_stride + (part * kv_heads + h) * tile);
+          for (long w = 0; w < rows * row_words; ++w) sum += words[w];
+        }
+    total += sum;
+  }
+  return total;
+}
+"""
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -93,6 +123,16 @@ def attention_layers(kv_dtype: str, block_size: int, lens: list[int], layers: in
 
         def layer(i: int) -> None:
             op(out, q, pools[i], tables, seq_lens, DIM**-0.5)
+        value_scales = None
+    elif kv_dtype == "read-pattern":
+        read = native_library(READ_PATTERN_SOURCE, "-O3").read_pattern
+        read.restype = ctypes.c_uint64
+        read.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_int]
+        pools = [placed(torch.randn(shape).to(torch.bfloat16)) for _ in range(layers)]
+
+        def layer(i: int) -> None:
+            read(pools[i].data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), batch, tables.shape[1], KV_HEADS,
+                 block_size, DIM, torch.get_num_threads())
         value_scales = None
     else:
         op = ops.paged_attention_quantized if ops is not None else cpu_op("paged_attention_quantized")

@@ -19,9 +19,7 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from linear_gemm import LAYER_SHAPES, LAYERS
+from native import native_library
 from workloads import cpu_name
 
 from kvserve.model.int8_linear import Int8Linear
@@ -65,21 +64,16 @@ extern "C" double peak(int int8, long iterations, int threads) {
 
 def dot_peaks(threads: int, iterations: int = 20_000_000) -> dict[str, float]:
     """G(FL)OP/s of back-to-back vdpbf16ps and vpdpbusd on ``threads`` threads, best of 3."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source, library = Path(tmp) / "peak.cpp", Path(tmp) / "peak.so"
-        source.write_text(PEAK_SOURCE)
-        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o",
-                        str(library)], check=True)
-        peak = ctypes.CDLL(str(library)).peak
-        peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long, ctypes.c_int]
-        rates = {}
-        for name, int8, products in (("bf16", 0, 2), ("int8", 1, 4)):
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                peak(int8, iterations, threads)
-                best = min(best, time.perf_counter() - start)
-            rates[name] = iterations * 12 * 16 * products * 2 * threads / best / 1e9
+    peak = native_library(PEAK_SOURCE).peak
+    peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    rates = {}
+    for name, int8, products in (("bf16", 0, 2), ("int8", 1, 4)):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            peak(int8, iterations, threads)
+            best = min(best, time.perf_counter() - start)
+        rates[name] = iterations * 12 * 16 * products * 2 * threads / best / 1e9
     return rates
 
 
