@@ -1273,8 +1273,9 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
                                 : dim == 256 ? pick_quant_kind<16>(kind, group, split) : nullptr;
 #endif
         // NextKeys unused: prefetching the next job's keys in the value passes, as the bf16 job does,
-        // made int8 0.82-0.84x the time at 32 x 2,048 cold (blocks 32-128, Zen 5) but 1.17-1.19x at
-        // 2-32 sequences of 140-512 tokens, and fp8 1.2-1.3x even cold; not understood
+        // made int8 0.82-0.97x the time at 32 x 2,048 cold (Zen 5) but 1.17-1.36x at 2-32 sequences
+        // of 140-512 tokens, even with the prefetch switched off there at run time (so the job's
+        // code, not its traffic), and fp8 1.2-1.3x even cold
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), tab, width, lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                       out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
                       [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float*,
