@@ -254,7 +254,8 @@ static void tile_rows(const QuantPool& pool, const int64_t* table, int64_t blk, 
 
 template <int KIND, int NV, int G>
 static void decode_quant_avx512(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
-                                int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
+                                int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile,
+                                const NextKeys&) {
   constexpr int64_t dim = NV * 16;
   const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs;
   const int64_t kv_heads = pool.kv_heads, rb = pool.row_bytes;
@@ -342,7 +343,7 @@ static void decode_quant_avx512(const float* qf, const QuantPool& pool, const in
 }
 
 using QuantJob = void (*)(const float*, const QuantPool&, const int64_t*, int64_t, int64_t, int64_t, float*, float*,
-                          float*);
+                          float*, const NextKeys&);
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // int8 and int4 pools on CPUs with AVX512-VNNI: the dot products in integers. Keys: the query
@@ -481,9 +482,13 @@ static inline void key_bytes_transposed(const uint8_t* rows, int64_t rb, int m, 
   transpose16x16_epi32(out);
 }
 
-template <int KIND, int NB, int G>
+// NEXT: the value pass prefetches the next job's keys (NextKeys), every 8 rows. A template
+// parameter, not a run-time test: with the test in the job, int8 ran 1.17-1.36x slower at 140-512
+// tokens even where it was false (the job's code, not its memory traffic).
+template <int KIND, int NB, int G, bool NEXT>
 static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
-                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
+                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile,
+                            const NextKeys& next) {
   constexpr int64_t dim = NB * 32;
   constexpr int NV = 2 * NB;
   const int64_t bs = pool.block_size, num_blocks = (len + bs - 1) / bs, kv_heads = pool.kv_heads;
@@ -613,7 +618,15 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
     for (int64_t t0 = 0; t0 < n; t0 += bs) {  // the tile's blocks
       const uint8_t* rows = head_values + table[blk0 + t0 / bs] * pool.block_bytes();
       const int64_t m = std::min(bs, n - t0);
+      [[maybe_unused]] int64_t ahead = 0;  // NEXT: the next job's rows in this block, from ahead_rows
+      [[maybe_unused]] const uint8_t* ahead_rows = nullptr;
+      if constexpr (NEXT) {
+        ahead = next.table == nullptr ? 0 : std::min(m, next.len - (first + t0));
+        if (ahead > 0) ahead_rows = pool.row_at(next.table, next.h, first + t0);
+      }
       for (int64_t t = 0; t < m; t += 2) {
+        if constexpr (NEXT)
+          if (t % 8 == 0 && t < ahead) prefetch_row(ahead_rows + t * rb, 8 * rb);
         __m512i first_row[NB], second_row[NB], lo[NB], hi[NB];
         widen_codes<KIND, NB>(rows + t * rb, first_row);
         if (t + 1 < m) widen_codes<KIND, NB>(rows + (t + 1) * rb, second_row);
@@ -701,7 +714,8 @@ static void fp8_bf16_bytes(const float* lut, uint8_t* bytes) {
 
 template <int NC, int G, bool SPLIT>
 static void decode_fp8_bf16(const float* qf, const QuantPool& pool, const int64_t* table, int64_t len,
-                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile) {
+                            int64_t tail_slot, int64_t h, float* probs, float* acc, float* tile,
+                            const NextKeys&) {
   constexpr int64_t dim = NC * 64;
   constexpr int NB = 2 * NC, NV = 4 * NC;  // bf16 word vectors, float32 vectors per row
   const Fp8Bytes bytes(pool.fp8_bytes);
@@ -820,13 +834,19 @@ static QuantJob pick_quant_group(int64_t group) {
 }
 
 // split_query: float32 queries, which the fp8 path scores as two bf16 parts (see decode_fp8_bf16)
+// next_keys: the job that prefetches the next job's keys, where a kind has one (int8, int4 with VNNI)
 template <int NV>
-static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query) {
+static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query, bool next_keys) {
   (void)split_query;
+  (void)next_keys;
   switch (kind) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    case kI8: return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI8, NV / 2, decltype(g)::value>; });
-    case kI4: return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI4, NV / 2, decltype(g)::value>; });
+    case kI8:
+      if (next_keys) return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI8, NV / 2, decltype(g)::value, true>; });
+      return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI8, NV / 2, decltype(g)::value, false>; });
+    case kI4:
+      if (next_keys) return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI4, NV / 2, decltype(g)::value, true>; });
+      return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI4, NV / 2, decltype(g)::value, false>; });
 #else
     case kI8: return pick_quant_group<kI8, NV>(group);
     case kI4: return pick_quant_group<kI4, NV>(group);
@@ -1268,22 +1288,25 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
       if (query_len == 1) {
 #if defined(__AVX512F__)
         const bool split = std::is_same_v<scalar_t, float>;
-        const QuantJob job_fn = dim == 64 ? pick_quant_kind<4>(kind, group, split)
-                                : dim == 128 ? pick_quant_kind<8>(kind, group, split)
-                                : dim == 256 ? pick_quant_kind<16>(kind, group, split) : nullptr;
+        auto pick = [&](bool next_keys) {
+          return dim == 64 ? pick_quant_kind<4>(kind, group, split, next_keys)
+                 : dim == 128 ? pick_quant_kind<8>(kind, group, split, next_keys)
+                 : dim == 256 ? pick_quant_kind<16>(kind, group, split, next_keys) : nullptr;
+        };
+        // sequences over half of L2 take the job that prefetches the next job's keys (NextKeys; only
+        // the VNNI int8/int4 jobs have one: fp8's value pass ran 1.2-1.3x slower with it, cold)
+        const QuantJob short_job = pick(false), long_job = pick(true);
 #endif
-        // NextKeys unused: prefetching the next job's keys in the value passes, as the bf16 job does,
-        // made int8 0.82-0.97x the time at 32 x 2,048 cold (Zen 5) but 1.17-1.36x at 2-32 sequences
-        // of 140-512 tokens, even with the prefetch switched off there at run time (so the job's
-        // code, not its traffic), and fp8 1.2-1.3x even cold
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), tab, width, lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                       out.stride(0), tables.size(0), heads, kv_heads, dim, static_cast<float>(scale),
                       [&](int64_t b, int64_t h, const float* qf, int64_t len, float* probs, float* acc, float*,
-                          const NextKeys&) {
+                          [[maybe_unused]] const NextKeys& next) {
           thread_local std::vector<float> tile;
           tile.resize(bs * dim);
 #if defined(__AVX512F__)
-          if (job_fn != nullptr) return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data());
+          const bool long_sequence = !prefetch_whole_blocks(len * 2 * kv_heads * pool.row_bytes);
+          if (const QuantJob job_fn = long_sequence ? long_job : short_job; job_fn != nullptr)
+            return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data(), next);
 #endif
           decode_quant_scalar(qf, pool, tab + b * width, len, slot_of(b), h, group, probs, acc, tile.data());
         });
