@@ -147,17 +147,20 @@ def test_kernel_calls_are_labelled_only_while_a_profiler_records() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 32, 128])
-@pytest.mark.parametrize("batch", [1, 6])  # 1: a job per KV head; 6: a job per sequence (two threads)
+# one sequence: a job per KV head; six: a job per sequence (two threads); long ones (K/V over half of
+# L2) prefetch the next job's keys in their value pass (NextKeys)
+@pytest.mark.parametrize("lengths", [(300,), (1, 15, 16, 17, 100, 300), (3000, 700, 15, 1800, 4100)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
-def test_bf16_decode_kernel_is_float32_attention_over_the_bf16_values(block_size: int, batch: int, heads: int,
-                                                                      kv_heads: int, dim: int) -> None:
+def test_bf16_decode_kernel_is_float32_attention_over_the_bf16_values(block_size: int, lengths: tuple[int, ...],
+                                                                      heads: int, kv_heads: int, dim: int) -> None:
     """bf16 pools (the AVX512-BF16 one-pass path where the CPU has it): float32 attention over the
     stored bf16 values, rounded once to bf16 at the end, across chunk and block edges."""
     torch.manual_seed(1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        lens = torch.tensor([1, 15, 16, 17, 100, 300][:batch] if batch > 1 else [300])
+        lens = torch.tensor(lengths)
+        batch = len(lens)
         width = int((lens.max() + block_size - 1) // block_size)
         cache = torch.randn(batch * width + 1, 2 * kv_heads, block_size, dim).to(torch.bfloat16)
         tables = (torch.randperm(batch * width) + 1).view(batch, width)
@@ -217,12 +220,13 @@ def _quantized_pool(kind: str, num_blocks: int, kv_heads: int, block_size: int, 
 
 
 def _quantized_pool_attention(kind: str, block_size: int, heads: int, kv_heads: int, dim: int, query_len: int,
-                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                            dtype: torch.dtype, lengths: tuple[int, ...] = (1, 15, 16, 17, 100, 300),
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantized kernel's attention for query_len queries per sequence (each sequence's last
     positions, causal) over a random quantized pool (_quantized_pool), and float32 attention over the
     values the pool stands for: (out, expected), [batch * query_len, heads, dim] float32."""
     torch.manual_seed(3)
-    lens = torch.tensor([1, 15, 16, 17, 100, 300]).clamp(min=query_len)
+    lens = torch.tensor(lengths).clamp(min=query_len)
     batch, group, width = len(lens), heads // kv_heads, int((lens.max() + block_size - 1) // block_size)
     data, key_scales, value_scales, kv_pool = _quantized_pool(kind, batch * width + 1, kv_heads, block_size, dim)
     tables = (torch.randperm(batch * width) + 1).view(batch, width)
@@ -277,6 +281,15 @@ def test_quantized_decode_kernel_is_float32_attention_over_the_dequantized_pool(
     if kind.startswith("fp8") and dtype == torch.float32:
         tol = 1e-5  # fp8's exact bf16 values, the query's two parts: float32 rounding only
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int8-static", "int4", "fp8_e4m3-static"])
+def test_quantized_decode_of_long_sequences(kind: str) -> None:
+    """Sequences whose K/V is over half of L2 (here up to 6,000 tokens, 2.3 MB of int8) take the
+    decode jobs that prefetch the next job's keys (NextKeys), mixed with short ones in one call."""
+    out, expected = _quantized_pool_attention(kind, 16, 9, 3, 64, 1, torch.float32, (6000, 700, 2500, 15, 4100))
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
