@@ -833,6 +833,14 @@ static QuantJob pick_quant_group(int64_t group) {
   return by_group(group, [](auto g) -> QuantJob { return decode_quant_avx512<KIND, NV, decltype(g)::value>; });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int KIND, int NB>
+static QuantJob vnni_job(int64_t group, bool next_keys) {
+  if (next_keys) return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<KIND, NB, decltype(g)::value, true>; });
+  return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<KIND, NB, decltype(g)::value, false>; });
+}
+#endif
+
 // split_query: float32 queries, which the fp8 path scores as two bf16 parts (see decode_fp8_bf16)
 // next_keys: the job that prefetches the next job's keys, where a kind has one (int8, int4 with VNNI)
 template <int NV>
@@ -841,12 +849,8 @@ static QuantJob pick_quant_kind(int64_t kind, int64_t group, bool split_query, b
   (void)next_keys;
   switch (kind) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    case kI8:
-      if (next_keys) return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI8, NV / 2, decltype(g)::value, true>; });
-      return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI8, NV / 2, decltype(g)::value, false>; });
-    case kI4:
-      if (next_keys) return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI4, NV / 2, decltype(g)::value, true>; });
-      return by_group(group, [](auto g) -> QuantJob { return decode_int_vnni<kI4, NV / 2, decltype(g)::value, false>; });
+    case kI8: return vnni_job<kI8, NV / 2>(group, next_keys);
+    case kI4: return vnni_job<kI4, NV / 2>(group, next_keys);
 #else
     case kI8: return pick_quant_group<kI8, NV>(group);
     case kI4: return pick_quant_group<kI4, NV>(group);
