@@ -131,8 +131,9 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   const c10::BFloat16* key_base = kv + h * block_size * dim;
   constexpr int64_t kAhead = 32;  // rows: blocks are scattered, so prefetch where hardware would stop
   int64_t blk = 0, t = 0, ahead_blk = kAhead / block_size, ahead_t = kAhead % block_size;
-  const bool whole_blocks = h == 0 && prefetch_whole_blocks(len * 2 * kv_heads * dim * 2);
-  const NextKeys next_keys = next.unless_short(len * 2 * kv_heads * dim * 2);
+  const int64_t sequence_bytes = len * 2 * kv_heads * dim * 2;
+  const bool whole_blocks = h == 0 && prefetch_whole_blocks(sequence_bytes);
+  const NextKeys next_keys = next.unless_short(sequence_bytes);
   const c10::BFloat16* rows[16];
   for (int64_t pos = 0; pos < len; pos += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - pos));

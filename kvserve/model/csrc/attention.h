@@ -20,8 +20,8 @@ struct NextKeys {
   const int64_t* table = nullptr;
   int64_t len = 0, h = 0;
 
-  // a float pool's key rows in the sequence's block-th block, up to m (none past len, or no next
-  // job); found once a block: per row, the lookup cost the bf16 job 1.4x its time in cache
+  // the key rows (dim elements of T each) in the sequence's block-th block, up to m (none past len,
+  // or no next job); found once a block: per row, the lookup cost the bf16 job 1.4x its time in cache
   template <typename T>
   NextRows<T> rows(const T* kv, int64_t block_stride, int64_t block_size, int64_t dim, int64_t block, int64_t m) const {
     const int64_t count = table == nullptr ? 0 : std::min(m, len - block * block_size);

@@ -618,15 +618,12 @@ static void decode_int_vnni(const float* qf, const QuantPool& pool, const int64_
     for (int64_t t0 = 0; t0 < n; t0 += bs) {  // the tile's blocks
       const uint8_t* rows = head_values + table[blk0 + t0 / bs] * pool.block_bytes();
       const int64_t m = std::min(bs, n - t0);
-      [[maybe_unused]] int64_t ahead = 0;  // NEXT: the next job's rows in this block, from ahead_rows
-      [[maybe_unused]] const uint8_t* ahead_rows = nullptr;
-      if constexpr (NEXT) {
-        ahead = next.table == nullptr ? 0 : std::min(m, next.len - (first + t0));
-        if (ahead > 0) ahead_rows = pool.row_at(next.table, next.h, first + t0);
-      }
+      // NEXT: the next job's key rows in this block (rows of row_bytes bytes)
+      [[maybe_unused]] NextRows<uint8_t> ahead;
+      if constexpr (NEXT) ahead = next.rows(pool.data, pool.block_bytes(), bs, rb, blk0 + t0 / bs, m);
       for (int64_t t = 0; t < m; t += 2) {
         if constexpr (NEXT)
-          if (t % 8 == 0 && t < ahead) prefetch_row(ahead_rows + t * rb, 8 * rb);
+          if (t % 8 == 0 && t < ahead.count) prefetch_row(ahead.first + t * rb, 8 * rb);
         __m512i first_row[NB], second_row[NB], lo[NB], hi[NB];
         widen_codes<KIND, NB>(rows + t * rb, first_row);
         if (t + 1 < m) widen_codes<KIND, NB>(rows + (t + 1) * rb, second_row);
@@ -1297,8 +1294,9 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
                  : dim == 128 ? pick_quant_kind<8>(kind, group, split, next_keys)
                  : dim == 256 ? pick_quant_kind<16>(kind, group, split, next_keys) : nullptr;
         };
-        // sequences over half of L2 take the job that prefetches the next job's keys (NextKeys; only
-        // the VNNI int8/int4 jobs have one: fp8's value pass ran 1.2-1.3x slower with it, cold)
+        // a job with next keys to prefetch (NextKeys::unless_short: sequences over half of L2) takes
+        // the kind's prefetching job (only the VNNI int8/int4 jobs have one: fp8's value pass ran
+        // 1.2-1.3x slower with it, cold)
         const QuantJob short_job = pick(false), long_job = pick(true);
 #endif
         decode_driver(q.data_ptr<scalar_t>(), q.stride(0), tab, width, lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
@@ -1308,9 +1306,9 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
           thread_local std::vector<float> tile;
           tile.resize(bs * dim);
 #if defined(__AVX512F__)
-          const bool long_sequence = !prefetch_whole_blocks(len * 2 * kv_heads * pool.row_bytes);
-          if (const QuantJob job_fn = long_sequence ? long_job : short_job; job_fn != nullptr)
-            return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data(), next);
+          const NextKeys next_keys = next.unless_short(len * 2 * kv_heads * pool.row_bytes);
+          if (const QuantJob job_fn = next_keys.table != nullptr ? long_job : short_job; job_fn != nullptr)
+            return job_fn(qf, pool, tab + b * width, len, slot_of(b), h, probs, acc, tile.data(), next_keys);
 #endif
           decode_quant_scalar(qf, pool, tab + b * width, len, slot_of(b), h, group, probs, acc, tile.data());
         });
