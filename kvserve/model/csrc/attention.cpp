@@ -134,6 +134,7 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   const int64_t sequence_bytes = len * 2 * kv_heads * dim * 2;
   const bool whole_blocks = h == 0 && prefetch_whole_blocks(sequence_bytes);
   const NextKeys next_keys = next.unless_short(sequence_bytes);
+  next.prefetch_short_sequence(kv, block_stride * 2, block_size, 2 * kv_heads * dim * 2, h, kv_heads);
   const c10::BFloat16* rows[16];
   for (int64_t pos = 0; pos < len; pos += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - pos));
