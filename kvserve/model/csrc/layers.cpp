@@ -247,10 +247,10 @@ struct PrefetchShare {
 // One tile's sums: MR rows of x against NR packed groups of 16 output channels, each k step a
 // 32-bit broadcast of a row's next kPerWord inputs times the groups' 64-byte weight vectors, by
 // dot (the dot-product instruction); meanwhile the share's lines are prefetched, a line or a few
-// per k step. Into L1 (T0): on the Zen 5 the weights then reached the first tile ~0.87x sooner
-// over 30 cold layers at 32 rows than prefetched into L2 (T1). Written with pointers stepping
-// through k: GCC kept every accumulator in a register, where an older form with the prefetch
-// bookkeeping inside the loop spilled one each step (0.96-0.98x the time).
+// per k step. Into L1 (T0): on the Zen 5, 30 cold layers at 32 rows took 0.87-0.90x the time
+// they took with the lines prefetched into L2 (T1). Written with pointers stepping through k:
+// GCC keeps every accumulator in a register, where an older form with the prefetch bookkeeping
+// inside the loop spilled one each step (0.96-0.98x the time).
 template <int MR, int NR, int kPerWord, typename Acc, typename X, typename W, typename Dot>
 __attribute__((always_inline)) static inline void tile_sums(const X* x, int64_t k, const W* w,
                                                              const PrefetchShare& share, Acc (&acc)[MR][NR],
