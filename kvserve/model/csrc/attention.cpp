@@ -131,10 +131,10 @@ static void decode_job_bf16(const float* qf, const c10::BFloat16* kv, const int6
   const c10::BFloat16* key_base = kv + h * block_size * dim;
   constexpr int64_t kAhead = 32;  // rows: blocks are scattered, so prefetch where hardware would stop
   int64_t blk = 0, t = 0, ahead_blk = kAhead / block_size, ahead_t = kAhead % block_size;
-  const int64_t sequence_bytes = len * 2 * kv_heads * dim * 2;
+  const int64_t token_bytes = 2 * kv_heads * dim * 2, sequence_bytes = len * token_bytes;
   const bool whole_blocks = h == 0 && prefetch_whole_blocks(sequence_bytes);
   const NextKeys next_keys = next.unless_short(sequence_bytes);
-  next.prefetch_short_sequence(kv, block_stride * 2, block_size, 2 * kv_heads * dim * 2, h, kv_heads);
+  next.prefetch_short_sequence(kv, block_stride * 2, block_size, token_bytes, h, kv_heads);
   const c10::BFloat16* rows[16];
   for (int64_t pos = 0; pos < len; pos += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - pos));

@@ -6,16 +6,17 @@
 
 #include "common.h"
 
-// The keys of the job a thread runs after the current one: its sequence's block table and length,
-// and its KV head (table nullptr: none). A job prefetches them while its value pass runs: that
-// pass reads values the key pass already brought into L2, so without it the memory idled through
-// every value pass (bf16 at 32 x 2,048 on a Zen 5: 0.81-0.88x the time cold).
+// Some key rows of one block of the next job: NextKeys::rows.
 template <typename T>
 struct NextRows {
   const T* first = nullptr;  // the block's first key row
   int64_t count = 0;         // rows of it to prefetch
 };
 
+// The keys of the job a thread runs after the current one: its sequence's block table and length,
+// and its KV head (table nullptr: none). A job prefetches them while its value pass runs: that
+// pass reads values the key pass already brought into L2, so without it the memory idled through
+// every value pass (bf16 at 32 x 2,048 on a Zen 5: 0.81-0.88x the time cold).
 struct NextKeys {
   const int64_t* table = nullptr;
   int64_t len = 0, h = 0;

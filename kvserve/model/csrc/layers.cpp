@@ -356,10 +356,9 @@ static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, cons
   constexpr int MR = NR == 4 ? 6 : 8;  // MR * NR accumulators + NR weight vectors + 1 broadcast <= 32
   const int64_t tiles = (a.m + MR - 1) / MR;
   int64_t row = 0, tile = 0;
-  const char* base = static_cast<const char*>(next);
+  const char* base = static_cast<const char*>(next);  // nullptr with next_lines 0: an empty share
   const auto share = [&]() {
-    return next == nullptr ? PrefetchShare{nullptr, nullptr}
-                           : PrefetchShare{base + 64 * (next_lines * tile / tiles), base + 64 * (next_lines * (tile + 1) / tiles)};
+    return PrefetchShare{base + 64 * (next_lines * tile / tiles), base + 64 * (next_lines * (tile + 1) / tiles)};
   };
   for (; row + MR <= a.m; row += MR, ++tile) Tile::template run<MR, NR>(a, row, group, out, share());
   switch (a.m - row) {
