@@ -15,7 +15,14 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LoadedModel, load_model
 from kvserve.model.cpu_kernels import cpu_op
-from kvserve.model.int8_linear import Int8Linear, _quantize_rows_torch, quantize_linears, quantize_rows
+from kvserve.model.int8_linear import (
+    Int8Linear,
+    _quantize_rows_torch,
+    hadamard_block,
+    quantize_linears,
+    quantize_rows,
+    rotate_rows,
+)
 
 needs_ops = pytest.mark.skipif(cpu_op("quantize_rows_int8") is None, reason="no C++ toolchain")
 # relative error of the output's last rounding: bf16 rounds twice (oneDNN's result, then the row scale)
@@ -66,13 +73,15 @@ def _vnni_available() -> bool:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("path", ["vnni", "onednn", "onednn7", "fallback"])
 @pytest.mark.parametrize("out_features", [72, 144])
+@pytest.mark.parametrize("rotate", [False, True])
 def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool, path: str, out_features: int,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   rotate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C++ VNNI kernel, the oneDNN path (packed weight; 8-bit weight codes, or 7-bit ones
     where its 8-bit sums saturate) and the fallback (_int_mm or float sums, torch ops) all compute
     the int8 product exactly and round only at the end; and each stays within ~2% of the float
     layer. 72 outputs: a partial group of 16 channels; 144: nine groups, so each of two threads
-    runs a 4-group panel and a narrower one; 40 rows: 6-row tiles and a tail."""
+    runs a 4-group panel and a narrower one; 40 rows: 6-row tiles and a tail. With ``rotate``
+    the product is that of the rotated rows and weight (float32 out), and still the layer's."""
     if path == "vnni" and not _vnni_available():
         pytest.skip("no AVX512-VNNI kernel on this CPU")
     if path == "onednn" and int8_linear._onednn_weight_max() != 127:
@@ -87,21 +96,59 @@ def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool
         monkeypatch.setattr(int8_linear, "_onednn_weight_max", lambda: None)
     torch.manual_seed(0)
     linear = nn.Linear(96, out_features, bias=bias).to(dtype)
-    layer = Int8Linear(linear)
+    layer = Int8Linear(linear, rotate_input=rotate)
     assert (layer.vnni_packed is not None) == (path == "vnni")
     assert (layer.packed is not None) == path.startswith("onednn") and (layer.codes is not None) == (path == "fallback")
     assert layer.weight_max == (63 if path == "onednn7" else 127)
+    assert (layer.rotation is not None) == rotate
+    # the product the layer stands for: rotated, a float32 layer of the turned weight on turned rows
+    turn = layer.rotation
+    ref_linear = linear if turn is None else nn.Linear(96, out_features, bias=bias)
+    if turn is not None:
+        with torch.no_grad():
+            ref_linear.weight.copy_(rotate_rows(linear.weight.detach(), turn) / turn.shape[0])
+            if bias:
+                ref_linear.bias.copy_(linear.bias.detach())
+    out_dtype = torch.float32 if rotate else dtype
     for m in (2, 7, 40):  # row 0 is all zeros
         x = _rows(dtype, m, 96).view(1, m, 96)
         out = layer(x)
-        assert out.dtype == dtype and out.shape == (1, m, out_features)
-        ref = _reference(linear, x, layer.weight_max)
-        # rounding of the largest output: the VNNI kernel and the fallback round once, oneDNN's path twice
-        tol = ROUNDING[dtype] / (1 if path.startswith("onednn") else 2) * ref.abs().amax(dim=-1, keepdim=True)
+        assert out.dtype == out_dtype and out.shape == (1, m, out_features)
+        ref = _reference(ref_linear, x if turn is None else rotate_rows(x.view(m, 96), turn).view(1, m, 96),
+                         layer.weight_max)
+        # rounding of the largest output: the VNNI kernel and the fallback round once (into the
+        # output dtype), oneDNN's path twice (its own output in the model dtype, then the row scale)
+        rounding = ROUNDING[dtype] if path.startswith("onednn") else ROUNDING[out_dtype] / 2
+        tol = rounding * ref.abs().amax(dim=-1, keepdim=True)
         assert ((out.double() - ref).abs() <= tol + 1e-6).all(), (m, (out.double() - ref).abs().max())
         float_out = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None
                                          else linear.bias.float())
         assert ((out.float() - float_out).norm() / float_out.norm()) < 0.02
+
+
+@pytest.mark.parametrize(("features", "block"), [(576, 64), (640, 128), (4096, 128), (100, 4), (96, 32)])
+def test_hadamard_block_is_orthogonal(features: int, block: int) -> None:
+    """The rotation's block: the largest power of two dividing the features, at most 128; +-1
+    entries with H H^T = b I, so the turned rows keep their norm (times sqrt(b))."""
+    h = hadamard_block(features)
+    assert h.shape == (block, block) and set(h.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(h @ h.t(), block * torch.eye(block))
+    x = torch.randn(3, features)
+    torch.testing.assert_close(rotate_rows(x, h).norm(dim=1), x.norm(dim=1) * block**0.5)
+
+
+def test_rotation_shrinks_the_error_of_outlier_channels() -> None:
+    """Activations with a few outlier channels (as the final norm's output has: two channels hold
+    a token's largest value, ~12x its RMS) lose most of their precision to per-token int8; the
+    rotated layer spreads them and lands several times closer to the float product."""
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 512, bias=False)
+    x = torch.randn(32, 576)
+    x[:, [17, 199, 387]] *= 25.0
+    exact = linear(x)
+    errors = [((Int8Linear(linear, rotate_input=rotate)(x) - exact).norm() / exact.norm()).item()
+              for rotate in (False, True)]
+    assert errors[1] < errors[0] / 3, errors
 
 
 @pytest.mark.parametrize("vnni", [True, False])
@@ -168,15 +215,20 @@ def smollm_int8() -> LoadedModel:
 
 
 def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedModel) -> None:
-    """Every decoder linear layer is int8 (the LM head, tied to the embedding, is not), the
-    weights take about half the bytes, and the model still knows its facts."""
+    """Every linear layer is int8, the LM head with its input rotated (an int8 copy: the tied
+    embedding stays bf16 for the lookup), the rest of the weights take about half the bytes, the
+    logits match the bf16 model's closely, and the model still knows its facts."""
     model: Any = smollm_int8.model
     int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(int8_layers) == 4 * smollm_int8.config.num_layers and isinstance(model.lm_head, nn.Module)
-    assert not isinstance(model.lm_head, Int8Linear)
+    assert len(int8_layers) == 4 * smollm_int8.config.num_layers + 1
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.rotation is not None
     bf16_bytes = smollm.weight_bytes // 2  # the fixture is float32
     embedding = model.embed_tokens.weight.numel() * 2
-    assert smollm_int8.weight_bytes < embedding + (bf16_bytes - embedding) * 0.52
+    assert smollm_int8.weight_bytes < embedding * 1.5 + (bf16_bytes - embedding) * 0.52
+    hidden = torch.randn(5, smollm_int8.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = model.compute_logits(hidden.bfloat16())
+    exact = smollm.model.compute_logits(hidden.bfloat16().float())
+    assert logits.dtype == torch.float32 and ((logits - exact).norm() / exact.norm()) < 0.02
     llm = LLM(loaded=smollm_int8, quantization="int8", kv_cache_memory="64MiB")
     # "Answer in one word." keeps a margin: without it the first token is a near-tie between
     # "The" and "L'" (0.4 nats) that the attention kernels' rounding order can flip

@@ -75,9 +75,9 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LoadedModel:
-    """The model's weights in ``dtype`` on ``device``; with ``quantization`` ("int8") the decoder
-    layers' linear layers become Int8Linear (the LM head, tied to the embedding in small models,
-    stays in ``dtype``)."""
+    """The model's weights in ``dtype`` on ``device``; with ``quantization`` ("int8") the linear
+    layers become Int8Linear, the LM head with its input rotated (an int8 copy of its weight: a
+    tied embedding stays in ``dtype`` for the lookup)."""
     path = resolve_model_path(model)
     model_config, weights = load_checkpoint(path)
     fingerprint = model_fingerprint(asdict(model_config), weights)
@@ -90,7 +90,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     for name in ("rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):  # rotary tables stay float32
         setattr(module, name, getattr(module, name).float())
     if quantization is not None:
-        quantize_linears(module, quantization, skip=(module.lm_head,))
+        quantize_linears(module, quantization, rotate=(module.lm_head,))
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)
     return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint, quantization)
