@@ -56,6 +56,7 @@ from kvserve.model.llama import (
     weights_uninitialized,
 )
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
+from kvserve.model.rotation import rotate_residual_stream, run_time_rotations
 
 logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,8 +77,8 @@ class LoadedModel(NamedTuple):
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LoadedModel:
     """The model's weights in ``dtype`` on ``device``; with ``quantization`` ("int8") the linear
-    layers become Int8Linear, the LM head with its input rotated (an int8 copy of its weight: a
-    tied embedding stays in ``dtype`` for the lookup)."""
+    layers become Int8Linear, the LM head included (an int8 copy of its weight: a tied embedding
+    stays in ``dtype`` for the lookup), behind Hadamard rotations (kvserve.model.rotation)."""
     path = resolve_model_path(model)
     model_config, weights = load_checkpoint(path)
     fingerprint = model_fingerprint(asdict(model_config), weights)
@@ -90,7 +91,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     for name in ("rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):  # rotary tables stay float32
         setattr(module, name, getattr(module, name).float())
     if quantization is not None:
-        quantize_linears(module, quantization, rotate=(module.lm_head,))
+        stream_rotated = rotate_residual_stream(module)
+        quantize_linears(module, quantization, rotate=run_time_rotations(module, stream_rotated))
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)
     return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint, quantization)

@@ -13,12 +13,9 @@ adds pairs of u8 x s8 products in int16 with saturation, so there the weight cod
 activation scales follow each token's own range (a per-tensor scale is set by the largest token
 of the batch, e.g. the first token's outliers).
 
-A layer built with ``rotate_input`` (the LM head) first turns each token's activations by a
-block-diagonal Walsh-Hadamard matrix, and its weight by the same, so the product is unchanged
-(x W^T = (x H)(W H / b)^T, H H^T = b I). The final norm's output has a few outlier channels (on
-SmolLM2, two channels hold the token's largest value in 92% of tokens, 12x its RMS); turned, every
-channel carries a share of them, the token's int8 step shrinks, and the LM head in int8 costs
-+0.08% perplexity instead of +1.0% (QuaRot's rotation, done at run time: one small matmul).
+A layer built with ``rotate_input`` turns each token's activations by a block Walsh-Hadamard
+matrix before quantizing them, its weight turned by the same at load, so that a few outlier
+channels no longer set the token's scale (kvserve.model.rotation).
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from torch import nn
 from kvserve.config import QUANTIZATION_METHODS
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.llama import shaped_like_input, token_rows
+from kvserve.model.rotation import hadamard_block, rotate_rows
 
 logger = logging.getLogger("kvserve")
 
@@ -136,30 +134,8 @@ def _vnni_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
     return tuple(packed) if packed else None
 
 
-MAX_ROTATION_BLOCK = 128  # beyond this the turn costs more without spreading outliers much further
-
-
-def hadamard_block(features: int) -> torch.Tensor:
-    """The +-1 Walsh-Hadamard matrix [b, b] (H H^T = b I; entries exact in any dtype) of the input
-    rotation over ``features`` channels: b the largest power of two dividing it, up to
-    MAX_ROTATION_BLOCK (64 for SmolLM2's 576)."""
-    block = min(features & -features, MAX_ROTATION_BLOCK)
-    h = torch.ones(1, 1)
-    while h.shape[0] < block:  # Sylvester's construction
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h
-
-
-def rotate_rows(x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """x [rows, features] times the block-diagonal matrix of ``block`` ([b, b]), in float32."""
-    b = block.shape[0]
-    return (x.float().view(x.shape[0], -1, b) @ block).view(x.shape[0], -1)
-
-
 class Int8Linear(nn.Module):
-    """nn.Linear's forward in W8A8 (see the module docstring). Output in the input's dtype; with
-    ``rotate_input`` in float32 (the turned rows are float32, and the LM head's logits are wanted
-    in float32)."""
+    """nn.Linear's forward in W8A8 (see the module docstring). Output in the input's dtype."""
 
     vnni_packed: torch.Tensor | None  # the C++ kernel's packed weight (CPUs with AVX512-VNNI)
     vnni_comp: torch.Tensor | None
@@ -169,7 +145,6 @@ class Int8Linear(nn.Module):
     weight_scale: torch.Tensor
     zero_points: torch.Tensor | None  # oneDNN's (zeros) where its packed weight is used
 
-    rotation: torch.Tensor | None  # hadamard_block's, with rotate_input
 
     def __init__(self, linear: nn.Linear, rotate_input: bool = False) -> None:
         super().__init__()
@@ -195,32 +170,34 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes if vnni is None and packed is None else None)
         self.register_buffer("packed", packed)
         self.register_buffer("weight_scale", scales if vnni is None else vnni[2])
-        self.register_buffer("rotation", rotation)
         self.register_buffer("zero_points", None if packed is None else
                              torch.zeros(self.out_features, dtype=torch.long, device=codes.device))
         self.bias = linear.bias
         self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
-        self._rotation = rotation  # as _linear_args: read once
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
         self._linear = cpu_op("int8_linear") if vnni is not None else None
-        # and its weight arguments, read once: each buffer read through nn.Module costs ~0.5 us a call
-        self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias)
+        # and its weight arguments, read once: each buffer read through nn.Module costs ~0.5 us a call;
+        # the C++ op turns the rows itself, the other paths before quantizing (rotate_rows)
+        self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
+                             1 if rotation is None else rotation.shape[0])
+        self.rotation = rotation  # hadamard_block's (shared, not a buffer), with rotate_input
+        self._rotation = rotation if self._linear is None else None
         self._quantize = (cpu_op("quantize_rows_int8") if on_cpu else None) or _quantize_rows_torch
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = token_rows(x, self.in_features)
-        if self._rotation is not None:
-            rows = rotate_rows(rows, self._rotation)
         if self._linear is not None:
             out = self._linear(rows.contiguous(), *self._linear_args)
             return shaped_like_input(out, x)
+        if self._rotation is not None:
+            rows = rotate_rows(rows, self._rotation)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
             assert self.zero_points is not None
             out = _onednn_qlinear(x_codes, self.packed, self.weight_scale, self.zero_points, self._out_dtype)
             self._scale_(out, x_scales, None if self.bias is None else self.bias.detach().to(out.dtype))
-            return shaped_like_input(out if out.dtype == rows.dtype else out.to(rows.dtype), x)
+            return shaped_like_input(out if out.dtype == x.dtype else out.to(x.dtype), x)
         assert self.codes is not None
         x_codes, x_scales = self._quantize(rows.contiguous(), False)
         # both scales in float32, rounded once into the model dtype (as the VNNI kernel does): this
@@ -228,7 +205,7 @@ class Int8Linear(nn.Module):
         sums = int8_matmul(x_codes, self.codes).float().mul_(x_scales[:, None] * self.weight_scale)
         if self.bias is not None:
             sums.add_(self.bias.detach())
-        return shaped_like_input(sums.to(rows.dtype), x)
+        return shaped_like_input(sums.to(x.dtype), x)
 
 
 def quantized_bytes(model: nn.Module) -> int:

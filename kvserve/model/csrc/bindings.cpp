@@ -44,7 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> (packed, comp, scales)");
   m.def("int8_linear", &int8_linear,
         "W8A8 linear: x's rows quantized to int8, times the packed weight in VNNI, rescaled (+ bias, float32 padded "
-        "like scales), in x's dtype: (x, packed, comp, scales, out_features, bias)");
+        "like scales), in x's dtype; rotate_block > 1 turns x's rows by that block Walsh-Hadamard matrix first: "
+        "(x, packed, comp, scales, out_features, bias, rotate_block)");
   m.def("bf16_gemm_pack", &bf16_gemm_pack,
         "a bf16 weight [n, k] packed for bf16_linear; empty where unsupported: (w) -> (packed,)");
   m.def("bf16_linear", &bf16_linear,

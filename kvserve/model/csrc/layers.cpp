@@ -142,15 +142,59 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // rescale in one call); elsewhere the codes go to oneDNN (which applies the output channels'
 // scales) and the products are scaled back here by each row's scale.
 
+#if defined(__AVX512F__)
+// One Walsh-Hadamard butterfly stage inside a 16-lane vector: lanes i and i ^ S become
+// (a + b, a - b), a the lane without bit S: x * sign + partner, sign -1 on the lanes with bit S.
+// The partners by in-lane shuffles (S 1, 2) and 128-bit lane shuffles (S 4, 8), not a full
+// permute: one shuffle and one FMA a stage.
+template <int S>
+static inline __m512 hadamard_lanes(__m512 x) {
+  __m512 partner;
+  if constexpr (S == 1) partner = _mm512_permute_ps(x, 0xB1);
+  else if constexpr (S == 2) partner = _mm512_permute_ps(x, 0x4E);
+  else if constexpr (S == 4) partner = _mm512_shuffle_f32x4(x, x, 0xB1);
+  else partner = _mm512_shuffle_f32x4(x, x, 0x4E);
+  constexpr int high = S == 1 ? 0xAAAA : S == 2 ? 0xCCCC : S == 4 ? 0xF0F0 : 0xFF00;
+  const __m512 sign = _mm512_mask_blend_ps(static_cast<__mmask16>(high), _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f));
+  return _mm512_fmadd_ps(x, sign, partner);
+}
+#endif
+
+// f [cols] times the block-diagonal +-1 Walsh-Hadamard matrix of ``block`` (a power of two
+// dividing cols; Sylvester's order, as kvserve.model.rotation.hadamard_block): a butterfly
+// (a, b) -> (a + b, a - b) at every stride below the block. 1: nothing to do.
+static void hadamard_blocks(float* f, int64_t cols, int64_t block) {
+  int64_t stride = 1;
+#if defined(__AVX512F__)
+  if (block >= 16) {  // strides 1-8 inside each vector
+    for (int64_t i = 0; i < cols; i += 16) {
+      const __m512 x = _mm512_loadu_ps(f + i);
+      _mm512_storeu_ps(f + i, hadamard_lanes<8>(hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(x)))));
+    }
+    stride = 16;
+  }
+#endif
+  for (; stride < block; stride *= 2)
+    for (int64_t start = 0; start < cols; start += 2 * stride)
+#pragma omp simd
+      for (int64_t j = start; j < start + stride; ++j) {
+        const float a = f[j], b = f[j + stride];
+        f[j] = a + b;
+        f[j + stride] = a - b;
+      }
+}
+
 // codes = round(x / s) with s = max|x| / 127 per row (1 for an all-zero row); scales[r] = s.
 // ``offset``: codes + 128 as uint8 (oneDNN's u8 activations, zero point 128), else int8.
+// ``rotate_block`` > 1: each row is first turned by hadamard_blocks (an int8 layer's rotated input).
 template <typename T>
 static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_t begin, int64_t end, int64_t cols,
-                               bool offset) {
+                               bool offset, int64_t rotate_block = 1) {
   const int flip = offset ? 0x80 : 0;  // two's complement + 128 = the sign bit flipped
   std::vector<float> f(cols);
   for (int64_t r = begin; r < end; ++r) {
     to_float(x + r * cols, f.data(), cols);
+    if (rotate_block > 1) hadamard_blocks(f.data(), cols, rotate_block);
     float amax = 0.f;
 #pragma omp simd reduction(max : amax)
     for (int64_t i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(f[i]));
@@ -516,12 +560,15 @@ std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor sca
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
-                          int64_t out_features, c10::optional<torch::Tensor> bias) {
+                          int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block) {
   // x [m, k] contiguous float -> x @ W.T (+ bias) [m, out_features] in x's dtype, W from int8_gemm_pack;
-  // bias float32, padded like the scales (prepared once at load, not per call)
+  // bias float32, padded like the scales (prepared once at load, not per call); rotate_block > 1:
+  // x's rows are turned by the block Walsh-Hadamard matrix first (W was turned at load)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
   const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
+  TORCH_CHECK(rotate_block >= 1 && (rotate_block & (rotate_block - 1)) == 0 && k % rotate_block == 0,
+              "rotate_block must be a power of two dividing in_features");
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(1) * 4 == k && comp.numel() == groups * 16 &&
               scales.numel() == groups * 16, "packed weight does not match x / out_features");
   auto codes = torch::empty({m, k}, x.options().dtype(torch::kByte));
@@ -539,11 +586,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
                             m, k, out_features};
     // each thread quantizes its share of the rows inside the GEMM's parallel region
     packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
-      quantize_row_range(rows, row_codes, row_scales, begin, end, k, true);
+      quantize_row_range(rows, row_codes, row_scales, begin, end, k, true, rotate_block);
     });
   });
   return out;
 #else
+  (void)rotate_block;
   TORCH_CHECK(false, "int8_linear needs AVX512-VNNI (int8_gemm_pack returned nothing)");
 #endif
 }
