@@ -6,7 +6,9 @@ Both models are loaded and served by an engine each (2 threads, 2 GiB KV, 64 seq
 batched tokens), and measured in turn within every round, so that drift in the machine's speed
 falls on both alike: the median decode step (ms) at ``--batches`` running sequences of
 ``--context`` prompt tokens, then one run of the uniform workload (32 requests, 128 prompt + 128
-output tokens, as benchmarks/throughput.py). Each figure is the median over ``--rounds``.
+output tokens, as benchmarks/throughput.py). Each figure is the median over ``--rounds``; the
+uniform ratio also per round (both engines measured within a minute of each other), with its
+range and median: on a machine whose speed drifts, the paired figure.
 Quality is measured apart, with ``kvserve eval --dtype bfloat16 [--quantization int8]``.
 """
 
@@ -80,13 +82,19 @@ def main() -> None:
         row["rounds"] = runs[name]
         rows.append(row)
     base = rows[0]
-    print("\n| weights | " + " | ".join(f"decode step, batch {b} (ms)" for b in batches) + " | uniform tok/s |")
-    print("|---|" + "---|" * (len(batches) + 1))
+    for r in rows:  # the paired statistic: each round's ratio, both engines measured within a minute
+        r["uniform_round_ratios"] = [b["uniform_s"] / o["uniform_s"]
+                                     for b, o in zip(base["rounds"], r["rounds"], strict=True)]
+    print("\n| weights | " + " | ".join(f"decode step, batch {b} (ms)" for b in batches)
+          + " | uniform tok/s | uniform, rounds' ratios (median) |")
+    print("|---|" + "---|" * (len(batches) + 2))
     for r in rows:
         steps = " | ".join(f"{r[f'step_ms_b{b}']:.1f} ({base[f'step_ms_b{b}'] / r[f'step_ms_b{b}']:.2f}x)"
                            for b in batches)
+        ratios = r["uniform_round_ratios"]
         print(f"| {r['weights']} | {steps} | {r['uniform_tok_s']:.0f} "
-              f"({r['uniform_tok_s'] / base['uniform_tok_s']:.2f}x) |")
+              f"({r['uniform_tok_s'] / base['uniform_tok_s']:.2f}x) | {min(ratios):.2f}-{max(ratios):.2f} "
+              f"({statistics.median(ratios):.2f}x) |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()},
