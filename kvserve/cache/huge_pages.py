@@ -10,17 +10,25 @@ and on that VM (Firecracker, whose host backs guest memory on demand) a fresh 2 
 ~16 ms at first touch against ~0.7 ms for 512 4 KB pages: a fresh engine's shared-prefix run
 took 27.4 s against 23.1 s. Hence off by default; worth it where the host backs memory up front
 (bare metal) and for long-lived servers.
+
+Packed weights go on 2 MB pages by default (``weights_on_huge_pages``; ``KVSERVE_HUGE_PAGES=0``
+keeps them on 4 KB pages): every decode step streams all of them from memory, and on a Zen 5 VM
+30 cold layers of SmolLM2's linears took 0.91x (int8) and 0.89x (bf16) the time on 2 MB pages.
+Their pages are touched once, at load (~0.3 s for 200 MB on that VM).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
@@ -70,3 +78,36 @@ def empty_per_block(size: Sequence[int], dtype: torch.dtype, device: torch.devic
     if huge:
         advise_huge_pages(tensor)
     return tensor
+
+
+def weights_on_huge_pages(model: nn.Module) -> int:
+    """Copy the packed weights of ``model``'s layers into one arena on 2 MB pages, each at a
+    64-byte boundary: every module with ``movable_weights()`` (the names of its weight buffers
+    that may move) has them replaced by views of the arena, then ``bind_weights()`` (it re-reads
+    them). Returns the bytes moved: 0 where there are none, ``KVSERVE_HUGE_PAGES=0``, or huge
+    pages cannot be advised (nothing changed then)."""
+    places = [(module, name) for module in model.modules() if hasattr(module, "movable_weights")
+              for name in cast(Any, module).movable_weights()]
+    tensors = [getattr(module, name) for module, name in places]
+    if not tensors or os.environ.get("KVSERVE_HUGE_PAGES") == "0":
+        return 0
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    if _libc() is None or tensors[0].device.type != "cpu":
+        return 0
+    # a fresh private mapping, not torch.empty: that may reuse free heap memory whose pages are
+    # already there in 4 KB (measured: 16 of 128 MB on 2 MB pages after a model load)
+    whole_pages = -(-sum(sizes) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # + one: room to start at a boundary
+    region = mmap.mmap(-1, whole_pages + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    if not advise_huge_pages(arena):
+        return 0
+    offset = first_huge_page(arena) - arena.data_ptr()
+    for (module, name), tensor, size in zip(places, tensors, sizes, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        view = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        setattr(module, name, view)
+        offset += size
+    for module in {id(module): module for module, _ in places}.values():
+        cast(Any, module).bind_weights()
+    return sum(sizes)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvserve.cache.huge_pages import weights_on_huge_pages
 from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager, StreamingWindow
 from kvserve.cache.kv_disk import DiskTier, namespace
@@ -95,6 +96,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
         quantize_linears(module, quantization, rotate=run_time_rotations(module, stream_rotated))
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)
+    weights_on_huge_pages(module)
     return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint, quantization)
 
 

@@ -176,14 +176,22 @@ class Int8Linear(nn.Module):
         self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
         self._linear = cpu_op("int8_linear") if vnni is not None else None
-        # and its weight arguments, read once: each buffer read through nn.Module costs ~0.5 us a call;
-        # the C++ op turns the rows itself, the other paths before quantizing (rotate_rows)
-        self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
-                             1 if rotation is None else rotation.shape[0])
         self.rotation = rotation  # hadamard_block's (shared, not a buffer), with rotate_input
+        # the C++ op turns the rows itself, the other paths before quantizing (rotate_rows)
         self._rotation = rotation if self._linear is None else None
+        self.bind_weights()
         self._quantize = (cpu_op("quantize_rows_int8") if on_cpu else None) or _quantize_rows_torch
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
+
+    def movable_weights(self) -> tuple[str, ...]:
+        """The weight buffers huge_pages.weights_on_huge_pages may move: the VNNI kernel's."""
+        return ("vnni_packed",) if self._linear is not None else ()
+
+    def bind_weights(self) -> None:
+        """Read the C++ op's weight arguments once (each buffer read through nn.Module costs ~0.5
+        us a call); again after weights_on_huge_pages moved them."""
+        self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
+                             1 if self.rotation is None else self.rotation.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = token_rows(x, self.in_features)

@@ -184,12 +184,21 @@ class PackedLinear(nn.Module):
             # its bias in float32, padded to the packed groups (as Int8Linear's): once here, not per call
             self.register_buffer("bias32", None if linear.bias is None else F.pad(
                 linear.bias.detach().float(), (0, 16 * packed[0].shape[0] - self.out_features)), persistent=False)
-            # the op's weight arguments, read once (each buffer read through nn.Module costs ~0.5 us a
-            # call); the packed forms are CPU-only and built after the model is placed, never moved
-            self._bf16_args = (self.packed_weight, self.out_features, self.bias32)
+            self.bind_weights()
         else:
             packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
             self.register_buffer("packed_weight", packed_weight, persistent=False)
+
+    def movable_weights(self) -> tuple[str, ...]:
+        """The weight buffers huge_pages.weights_on_huge_pages may move: kvserve's packed form
+        (oneDNN's is its own)."""
+        return ("packed_weight",) if self._bf16_linear is not None else ()
+
+    def bind_weights(self) -> None:
+        """Read the op's weight arguments once (each buffer read through nn.Module costs ~0.5 us a
+        call); the packed forms are CPU-only and built after the model is placed, never moved to
+        another device (only within memory, by weights_on_huge_pages, which calls this again)."""
+        self._bf16_args = (self.packed_weight, self.out_features, self.bias32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_linear is not None:
