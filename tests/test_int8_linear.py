@@ -16,7 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LoadedModel, load_model
 from kvserve.model.cpu_kernels import cpu_op
-from kvserve.model.int8_linear import Int8Linear, _quantize_rows_torch, quantize_linears, quantize_rows
+from kvserve.model.int8_linear import Int8Embedding, Int8Linear, _quantize_rows_torch, quantize_linears, quantize_rows
 from kvserve.model.rotation import rotate_rows
 from kvserve.quant.data import python_reference
 from kvserve.quant.evaluate import next_token_logprobs
@@ -121,6 +121,22 @@ def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool
         assert ((out.float() - float_out).norm() / float_out.norm()) < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_embedding_looks_up_its_rounded_rows(dtype: torch.dtype) -> None:
+    """A lookup is the row's codes times its scale, in the embedding's dtype, within half a step
+    of the original row; any shape of ids."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 24).to(dtype)
+    layer = Int8Embedding(embedding)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    out = layer(ids)
+    codes, scales = quantize_rows(embedding.weight.detach())
+    assert out.shape == (2, 3, 24) and out.dtype == dtype
+    assert torch.equal(out, (codes[ids].float() * scales[ids].unsqueeze(-1)).to(dtype))
+    step = scales[ids].unsqueeze(-1)
+    assert ((out.float() - embedding(ids).float()).abs() <= step / 2 * 1.001 + ROUNDING[dtype] * step * 127).all()
+
+
 def test_rotation_shrinks_the_error_of_outlier_channels() -> None:
     """Activations with a few outlier channels (as SmolLM2's final norm output has: two channels
     hold a token's largest value, ~12x its RMS) lose most of their precision to per-token int8;
@@ -209,9 +225,11 @@ def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedMode
     assert len(int8_layers) == 4 * smollm_int8.config.num_layers + 1 and isinstance(model.lm_head, Int8Linear)
     assert [m for m in int8_layers if m.rotation is not None] == [layer.down_proj for layer in model.layers]
     assert (model.norm == 1).all() and (model.layers[0].input_layernorm == 1).all()  # folded into the layers
+    assert isinstance(model.embed_tokens, Int8Embedding)
     bf16_bytes = smollm.weight_bytes // 2  # the fixture is float32
-    embedding = model.embed_tokens.weight.numel() * 2
-    assert smollm_int8.weight_bytes < embedding * 1.5 + (bf16_bytes - embedding) * 0.52
+    embedding = smollm.model.embed_tokens.weight.numel() * 2  # tied: its bf16 bytes, once
+    # every weight in one byte (plus scales), the tied embedding twice: itself and the head
+    assert smollm_int8.weight_bytes < (bf16_bytes + embedding) / 2 * 1.02
     llm = LLM(loaded=smollm_int8, quantization="int8", kv_cache_memory="64MiB")
     # "Answer in one word." keeps a margin: without it the first token is a near-tie between
     # "The" and "L'" (0.4 nats) that the attention kernels' rounding order can flip

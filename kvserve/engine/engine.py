@@ -47,7 +47,7 @@ from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.engine.snapkv import snapkv_keep
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
-from kvserve.model.int8_linear import quantize_linears, quantized_bytes
+from kvserve.model.int8_linear import Int8Embedding, quantize_linears, quantized_bytes
 from kvserve.model.llama import (
     LlamaForCausalLM,
     apply_rope,
@@ -78,8 +78,8 @@ class LoadedModel(NamedTuple):
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LoadedModel:
     """The model's weights in ``dtype`` on ``device``; with ``quantization`` ("int8") the linear
-    layers become Int8Linear, the LM head included (an int8 copy of its weight: a tied embedding
-    stays in ``dtype`` for the lookup), behind Hadamard rotations (kvserve.model.rotation)."""
+    layers become Int8Linear, the LM head included, behind Hadamard rotations
+    (kvserve.model.rotation), and the embedding Int8Embedding."""
     path = resolve_model_path(model)
     model_config, weights = load_checkpoint(path)
     fingerprint = model_fingerprint(asdict(model_config), weights)
@@ -94,6 +94,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     if quantization is not None:
         stream_rotated = rotate_residual_stream(module)
         quantize_linears(module, quantization, rotate=run_time_rotations(module, stream_rotated))
+        setattr(module, "embed_tokens", Int8Embedding(module.embed_tokens))  # noqa: B010 (nn.Embedding's slot)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)
     weights_on_huge_pages(module)

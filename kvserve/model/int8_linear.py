@@ -145,7 +145,6 @@ class Int8Linear(nn.Module):
     weight_scale: torch.Tensor
     zero_points: torch.Tensor | None  # oneDNN's (zeros) where its packed weight is used
 
-
     def __init__(self, linear: nn.Linear, rotate_input: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -216,9 +215,29 @@ class Int8Linear(nn.Module):
         return shaped_like_input(sums.to(x.dtype), x)
 
 
+class Int8Embedding(nn.Module):
+    """nn.Embedding with int8 rows (per row, scale = max / 127, as Int8Linear's weights): a lookup
+    gathers the codes and rescales them into the embedding's dtype. With the LM head in int8, a
+    tied embedding is the last bf16 weight of an int8 model (SmolLM2: 54 of 184 MiB); in int8 it
+    measured no perplexity cost (11.377 -> 11.373, ``kvserve eval --quantization int8``)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        codes, scales = quantize_rows(embedding.weight.detach())
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.dtype = embedding.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.codes[ids].float() * self.scales[ids].unsqueeze(-1)).to(self.dtype)
+
+
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the int8 layers' codes and scales (buffers: not among the model's parameters)."""
-    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, Int8Linear)
+    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))
                for b in m.buffers())
 
 
