@@ -117,14 +117,19 @@ def expand_groups(scales: torch.Tensor, head_dim: int) -> torch.Tensor:
     return scales.repeat_interleave(head_dim // scales.shape[-1], dim=-1)
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two); symmetric, its own inverse."""
+def sylvester(n: int) -> torch.Tensor:
+    """The +-1 Sylvester-Hadamard matrix [n, n] (n a power of two): H H^T = n I, entries exact in any dtype."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / n**0.5
+    return h
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two); symmetric, its own inverse."""
+    return sylvester(n) / n**0.5
 
 
 def channel_scales(x: torch.Tensor, kind: str, dim: int = 0) -> torch.Tensor:

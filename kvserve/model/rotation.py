@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import nn
 
+from kvserve.cache.kv_quant import sylvester
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 MAX_ROTATION_BLOCK = 128  # beyond this the turn costs more per call without spreading outliers much further
@@ -31,11 +32,7 @@ def hadamard_block(features: int) -> torch.Tensor:
     """The +-1 Walsh-Hadamard matrix [b, b] in Sylvester's order of a rotation over ``features``
     channels: b the largest power of two dividing it, up to MAX_ROTATION_BLOCK (SmolLM2: 64 for
     576, 128 for 1,536). One tensor per size, shared: read it, never write it."""
-    block = min(features & -features, MAX_ROTATION_BLOCK)
-    h = torch.ones(1, 1)
-    while h.shape[0] < block:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h
+    return sylvester(min(features & -features, MAX_ROTATION_BLOCK))
 
 
 def rotate_rows(x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
