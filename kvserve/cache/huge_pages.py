@@ -89,11 +89,9 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     places = [(module, name) for module in model.modules() if hasattr(module, "movable_weights")
               for name in cast(Any, module).movable_weights()]
     tensors = [getattr(module, name) for module, name in places]
-    if not tensors or os.environ.get("KVSERVE_HUGE_PAGES") == "0":
+    if not tensors or os.environ.get("KVSERVE_HUGE_PAGES") == "0" or _libc() is None or tensors[0].device.type != "cpu":
         return 0
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
-    if _libc() is None or tensors[0].device.type != "cpu":
-        return 0
     # a fresh private mapping, not torch.empty: that may reuse free heap memory whose pages are
     # already there in 4 KB (measured: 16 of 128 MB on 2 MB pages after a model load)
     whole_pages = -(-sum(sizes) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # + one: room to start at a boundary

@@ -175,9 +175,9 @@ class Int8Linear(nn.Module):
         self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
         self._linear = cpu_op("int8_linear") if vnni is not None else None
-        self.rotation = rotation  # hadamard_block's (shared, not a buffer), with rotate_input
-        # the C++ op turns the rows itself, the other paths before quantizing (rotate_rows)
-        self._rotation = rotation if self._linear is None else None
+        # hadamard_block's (shared, not a buffer), with rotate_input: the C++ op turns the rows
+        # itself, the other paths before quantizing (rotate_rows)
+        self.rotation = rotation
         self.bind_weights()
         self._quantize = (cpu_op("quantize_rows_int8") if on_cpu else None) or _quantize_rows_torch
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
@@ -197,8 +197,8 @@ class Int8Linear(nn.Module):
         if self._linear is not None:
             out = self._linear(rows.contiguous(), *self._linear_args)
             return shaped_like_input(out, x)
-        if self._rotation is not None:
-            rows = rotate_rows(rows, self._rotation)
+        if self.rotation is not None:
+            rows = rotate_rows(rows, self.rotation)
         if self.packed is not None:
             x_codes, x_scales = self._quantize(rows.contiguous(), True)
             assert self.zero_points is not None
