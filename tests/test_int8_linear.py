@@ -92,33 +92,52 @@ def test_int8_linear_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool
         monkeypatch.setattr(int8_linear, "_onednn_weight_max", lambda: 63)
     if path == "fallback":
         monkeypatch.setattr(int8_linear, "_onednn_weight_max", lambda: None)
-    torch.manual_seed(0)
-    linear = nn.Linear(96, out_features, bias=bias).to(dtype)
-    layer = Int8Linear(linear, rotate_input=rotate)
+    layer = _check_int8_layer(dtype, bias, out_features, rotate, in_features=96, rounds_twice=path.startswith("onednn"))
     assert (layer.vnni_packed is not None) == (path == "vnni")
     assert (layer.packed is not None) == path.startswith("onednn") and (layer.codes is not None) == (path == "fallback")
     assert layer.weight_max == (63 if path == "onednn7" else 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [24, 48, 96, 192, 384])
+def test_vnni_kernel_turns_rows_by_every_block_size(dtype: torch.dtype, in_features: int) -> None:
+    """The VNNI kernel's own Hadamard turn for each block size hadamard_block picks: 8 (24
+    features: the scalar path), then 16, 32, 64 and 128 (the vector paths, one register block
+    each), against the float turn of rows and weight."""
+    if not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    assert _check_int8_layer(dtype, False, 40, True, in_features, rounds_twice=False).vnni_packed is not None
+
+
+def _check_int8_layer(dtype: torch.dtype, bias: bool, out_features: int, rotate: bool, in_features: int,
+                      rounds_twice: bool) -> Int8Linear:
+    """An Int8Linear of a random layer against the exact int8 product of the (turned) rows and
+    weight, for 2, 7 and 40 rows; returns the layer."""
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    layer = Int8Linear(linear, rotate_input=rotate)
     assert (layer.rotation is not None) == rotate
     # the product the layer stands for: rotated, a float32 layer of the turned weight on turned rows
     turn = layer.rotation
-    ref_linear = linear if turn is None else nn.Linear(96, out_features, bias=bias)
+    ref_linear = linear if turn is None else nn.Linear(in_features, out_features, bias=bias)
     if turn is not None:
         with torch.no_grad():
             ref_linear.weight.copy_(rotate_rows(linear.weight.detach(), turn) / turn.shape[0])
             if bias:
                 ref_linear.bias.copy_(linear.bias.detach())
     for m in (2, 7, 40):  # row 0 is all zeros
-        x = _rows(dtype, m, 96).view(1, m, 96)
+        x = _rows(dtype, m, in_features).view(1, m, in_features)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (1, m, out_features)
-        ref = _reference(ref_linear, x if turn is None else rotate_rows(x.view(m, 96), turn).view(1, m, 96),
-                         layer.weight_max)
+        turned = x if turn is None else rotate_rows(x.view(m, in_features), turn).view(1, m, in_features)
+        ref = _reference(ref_linear, turned, layer.weight_max)
         # rounding of the largest output: the VNNI kernel and the fallback round once, oneDNN's path twice
-        tol = ROUNDING[dtype] / (1 if path.startswith("onednn") else 2) * ref.abs().amax(dim=-1, keepdim=True)
+        tol = ROUNDING[dtype] / (1 if rounds_twice else 2) * ref.abs().amax(dim=-1, keepdim=True)
         assert ((out.double() - ref).abs() <= tol + 1e-6).all(), (m, (out.double() - ref).abs().max())
         float_out = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None
                                          else linear.bias.float())
         assert ((out.float() - float_out).norm() / float_out.norm()) < 0.02
+    return layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

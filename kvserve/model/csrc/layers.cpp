@@ -184,6 +184,67 @@ static void hadamard_blocks(float* f, int64_t cols, int64_t block) {
       }
 }
 
+#if defined(__AVX512F__)
+// One pass of row_to_float for blocks of V vectors (16 V floats, cols a multiple): each block is
+// loaded, widened, turned in registers when kTurn (strides 1-8 inside each vector, then 16 and up
+// between vectors) and stored, with the running max |value|. One pass for the conversion, one
+// per stride and one for the max had cost 14.0 us against 9.7 now (a 32 x 1,536 bf16 down
+// projection's rows into a 16-channel layer, block 128; 800 against 529 us at 2,048 rows).
+template <int V, bool kTurn, typename T>
+static float row_to_float_blocks(const T* x, float* f, int64_t cols) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t i = 0; i < cols; i += 16 * V) {
+    __m512 v[V];
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) {
+      v[j] = load16(x + i + 16 * j);
+      if constexpr (kTurn) v[j] = hadamard_lanes<8>(hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(v[j]))));
+    }
+    if constexpr (kTurn) {
+#pragma GCC unroll 4
+      for (int s = 1; s < V; s *= 2)
+#pragma GCC unroll 8
+        for (int j = 0; j < V; ++j)
+          if ((j & s) == 0) {
+            const __m512 a = v[j], b = v[j + s];
+            v[j] = _mm512_add_ps(a, b);
+            v[j + s] = _mm512_sub_ps(a, b);
+          }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) {
+      _mm512_storeu_ps(f + i + 16 * j, v[j]);
+      top = _mm512_max_ps(top, _mm512_abs_ps(v[j]));
+    }
+  }
+  return _mm512_reduce_max_ps(top);
+}
+#endif
+
+// f = x's row as float32, turned by hadamard_blocks(., rotate_block) when rotate_block > 1;
+// returns max |f|.
+template <typename T>
+static float row_to_float(const T* x, float* f, int64_t cols, int64_t rotate_block) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (cols % 16 == 0) switch (rotate_block) {  // 16-128: the blocks rotation.hadamard_block picks
+        case 1: return row_to_float_blocks<1, false>(x, f, cols);
+        case 16: return row_to_float_blocks<1, true>(x, f, cols);
+        case 32: return row_to_float_blocks<2, true>(x, f, cols);
+        case 64: return row_to_float_blocks<4, true>(x, f, cols);
+        case 128: return row_to_float_blocks<8, true>(x, f, cols);
+        default: break;
+      }
+  }
+#endif
+  to_float(x, f, cols);
+  if (rotate_block > 1) hadamard_blocks(f, cols, rotate_block);
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(f[i]));
+  return amax;
+}
+
 // codes = round(x / s) with s = max|x| / 127 per row (1 for an all-zero row); scales[r] = s.
 // ``offset``: codes + 128 as uint8 (oneDNN's u8 activations, zero point 128), else int8.
 // ``rotate_block`` > 1: each row is first turned by hadamard_blocks (an int8 layer's rotated input).
@@ -193,11 +254,7 @@ static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_
   const int flip = offset ? 0x80 : 0;  // two's complement + 128 = the sign bit flipped
   std::vector<float> f(cols);
   for (int64_t r = begin; r < end; ++r) {
-    to_float(x + r * cols, f.data(), cols);
-    if (rotate_block > 1) hadamard_blocks(f.data(), cols, rotate_block);
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(f[i]));
+    const float amax = row_to_float(x + r * cols, f.data(), cols, rotate_block);
     const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
     scales[r] = scale;
     uint8_t* row = codes + r * cols;
@@ -571,16 +628,18 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
               "rotate_block must be a power of two dividing in_features");
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(1) * 4 == k && comp.numel() == groups * 16 &&
               scales.numel() == groups * 16, "packed weight does not match x / out_features");
-  auto codes = torch::empty({m, k}, x.options().dtype(torch::kByte));
-  auto x_scales = torch::empty({m}, x.options().dtype(torch::kFloat));
+  // the activation codes and their scales live only within this call: in a buffer the calling
+  // thread keeps, not two tensors (with the fused pass above: 4.5 -> 3.6 us a call at 32 x 576)
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(m + (m * k + 3) / 4));
+  float* row_scales = scratch.data();
+  uint8_t* row_codes = reinterpret_cast<uint8_t*>(scratch.data() + m);
   auto out = torch::empty({m, out_features}, x.options());
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
                 "bias: float32 [out_features padded to a multiple of 16]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
     const scalar_t* rows = x.data_ptr<scalar_t>();
-    uint8_t* row_codes = codes.data_ptr<uint8_t>();
-    float* row_scales = x_scales.data_ptr<float>();
     const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
                             scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                             m, k, out_features};
