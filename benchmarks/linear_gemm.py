@@ -40,7 +40,7 @@ def both_packings(k: int, n: int) -> tuple[Callable[[torch.Tensor], object], Cal
     (ours,) = cpu_op("bf16_gemm_pack")(weight)
     linear = cpu_op("bf16_linear")
     return (lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
-            lambda x: linear(x, ours, n, None))
+            lambda x: linear(x, ours, n, None, False))
 
 
 def main() -> None:

@@ -69,7 +69,7 @@ def test_bf16_linear_is_float32_products_rounded_once(rows: int, k: int, n: int,
     bias32 = torch.zeros(groups * 16)
     if bias is not None:
         bias32[:n] = bias.float()
-    out = cpu_op("bf16_linear")(x, packed, n, bias32 if bias is not None else None)
+    out = cpu_op("bf16_linear")(x, packed, n, bias32 if bias is not None else None, False)
     expected = x.float() @ w.float().T + (bias.float() if bias is not None else 0)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=1e-3 * k**0.5, rtol=2**-8)
@@ -88,6 +88,30 @@ def test_packed_linear_takes_the_bf16_gemm_and_equals_linear() -> None:
     expected = x.float() @ linear.weight.float().T + linear.bias.float()
     assert out.shape == (2, 9, 50)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-8)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_swiglu_is_silu_of_the_float32_sums(rows: int, with_bias: bool) -> None:
+    """PackedLinear.fuse_silu on a gate_up projection (192 outputs: 6 (gate, up) pairs of
+    16-channel groups, so each of two threads runs a 4-group panel and a 2-group one): silu(gate)
+    * up of the float32 sums, rounded once; a layer whose outputs are no whole pairs is refused
+    and stays as it was."""
+    from kvserve.model.llama import PackedLinear
+
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(64, 192, bias=with_bias).bfloat16()
+    fused = PackedLinear(linear)
+    assert fused.fuse_silu() and fused.gated
+    x = torch.randn(rows, 64).bfloat16()
+    sums = x.float() @ linear.weight.float().T + (linear.bias.float() if with_bias else 0)
+    gate, up = sums.chunk(2, dim=-1)
+    out = fused(x)
+    assert out.shape == (rows, 96) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up, atol=1e-3 * 64**0.5, rtol=2**-8)
+    odd = PackedLinear(torch.nn.Linear(64, 48).bfloat16())
+    assert not odd.fuse_silu() and odd(x).shape == (rows, 48)
 
 
 @needs_ops

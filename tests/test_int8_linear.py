@@ -141,6 +141,28 @@ def _check_int8_layer(dtype: torch.dtype, bias: bool, out_features: int, rotate:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_swiglu_is_silu_of_the_int8_products(dtype: torch.dtype, bias: bool) -> None:
+    """Int8Linear.fuse_silu (VNNI kernel): silu(gate) * up of the exact rescaled int8 products
+    (float32 inside), rounded once into the model dtype; rows 2, 7 and 40 (tiles and tails),
+    160 outputs (5 pairs of 16-channel groups: uneven shares of pairs between two threads)."""
+    if not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    layer = Int8Linear(linear)
+    assert layer.fuse_silu() and layer.gated
+    for m in (2, 7, 40):
+        x = _rows(dtype, m, 96).view(1, m, 96)
+        gate, up = _reference(linear, x).chunk(2, dim=-1)
+        expected = nn.functional.silu(gate) * up
+        out = layer(x)
+        assert out.shape == (1, m, 80) and out.dtype == dtype
+        tol = ROUNDING[dtype] / 2 * expected.abs().amax(dim=-1, keepdim=True)
+        assert ((out.double() - expected).abs() <= tol + 1e-5).all(), (out.double() - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_embedding_looks_up_its_rounded_rows(dtype: torch.dtype) -> None:
     """A lookup is the row's codes times its scale, in the embedding's dtype, within half a step
     of the original row; any shape of ids."""

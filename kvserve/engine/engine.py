@@ -51,6 +51,7 @@ from kvserve.model.int8_linear import Int8Embedding, quantize_linears, quantized
 from kvserve.model.llama import (
     LlamaForCausalLM,
     apply_rope,
+    fuse_swiglu,
     pack_linears_for_cpu,
     rope_at,
     rope_inv_freq,
@@ -97,6 +98,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
         setattr(module, "embed_tokens", Int8Embedding(module.embed_tokens))  # noqa: B010 (nn.Embedding's slot)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)
+    fuse_swiglu(module)
     weights_on_huge_pages(module)
     return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint, quantization)
 

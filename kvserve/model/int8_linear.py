@@ -28,7 +28,7 @@ from torch import nn
 
 from kvserve.config import QUANTIZATION_METHODS
 from kvserve.model.cpu_kernels import cpu_op
-from kvserve.model.llama import shaped_like_input, token_rows
+from kvserve.model.llama import interleave_gate_up, shaped_like_input, token_rows
 from kvserve.model.rotation import hadamard_block, rotate_rows
 
 logger = logging.getLogger("kvserve")
@@ -172,6 +172,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("zero_points", None if packed is None else
                              torch.zeros(self.out_features, dtype=torch.long, device=codes.device))
         self.bias = linear.bias
+        self.gated = False  # fuse_silu: the output is silu(gate) * up [.., out_features / 2]
         self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
         self._linear = cpu_op("int8_linear") if vnni is not None else None
@@ -190,7 +191,19 @@ class Int8Linear(nn.Module):
         """Read the C++ op's weight arguments once (each buffer read through nn.Module costs ~0.5
         us a call); again after weights_on_huge_pages moved them."""
         self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
-                             1 if self.rotation is None else self.rotation.shape[0])
+                             1 if self.rotation is None else self.rotation.shape[0], self.gated)
+
+    def fuse_silu(self) -> bool:
+        """As PackedLinear.fuse_silu, in the VNNI kernel (its packed groups, channel terms,
+        scales and bias regrouped); False without it."""
+        if self._linear is None or self.out_features % 32 != 0:
+            return False
+        for name in ("vnni_packed", "vnni_comp", "weight_scale", "vnni_bias"):
+            if getattr(self, name) is not None:
+                setattr(self, name, interleave_gate_up(getattr(self, name), self.out_features))
+        self.gated = True
+        self.bind_weights()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = token_rows(x, self.in_features)

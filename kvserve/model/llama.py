@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -164,6 +164,15 @@ def shaped_like_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
+def interleave_gate_up(per_group: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A gate_up projection's packed weight, or a per-channel tensor of it, regrouped in
+    16-channel groups as (gate 0, up 0, gate 1, up 1, ...): the layout of the C++ GEMMs' gated
+    form (``gated``), which then writes silu(gate) * up. out_features = [gate | up], 32 | it."""
+    groups = out_features // 16
+    order = torch.arange(groups, device=per_group.device).view(2, groups // 2).t().reshape(-1)
+    return per_group.reshape(groups, -1)[order].reshape(per_group.shape)
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight is pre-packed once for the CPU's GEMM. bf16 weights on CPUs
     with AVX512-BF16 and no AMX: packed for kvserve's own GEMM (the ``bf16_linear`` C++ op,
@@ -171,10 +180,14 @@ class PackedLinear(nn.Module):
     otherwise oneDNN's blocked layout (measured at decode batch sizes ~30% faster than F.linear
     in bf16, ~40% in fp32; on AMX, oneDNN multiplies in tiles)."""
 
+    packed_weight: torch.Tensor
+    bias32: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear, batch_hint: int = 32) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
+        self.gated = False  # fuse_silu: the output is silu(gate) * up [.., out_features / 2]
         weight = linear.weight.detach()
         pack = cpu_op("bf16_gemm_pack") if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
         packed = pack(weight) if pack is not None else []
@@ -198,7 +211,20 @@ class PackedLinear(nn.Module):
         """Read the op's weight arguments once (each buffer read through nn.Module costs ~0.5 us a
         call); the packed forms are CPU-only and built after the model is placed, never moved to
         another device (only within memory, by weights_on_huge_pages, which calls this again)."""
-        self._bf16_args = (self.packed_weight, self.out_features, self.bias32)
+        self._bf16_args = (self.packed_weight, self.out_features, self.bias32, self.gated)
+
+    def fuse_silu(self) -> bool:
+        """Make this gate_up projection ([gate | up] outputs) return silu(gate) * up, computed in
+        the GEMM from its float32 sums; False (nothing changed) without the C++ bf16 kernel or
+        with out_features not a multiple of 32."""
+        if self._bf16_linear is None or self.out_features % 32 != 0:
+            return False
+        self.packed_weight = interleave_gate_up(self.packed_weight, self.out_features)
+        if self.bias32 is not None:
+            self.bias32 = interleave_gate_up(self.bias32, self.out_features)
+        self.gated = True
+        self.bind_weights()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_linear is not None:
@@ -224,6 +250,25 @@ def weights_uninitialized() -> Iterator[None]:
 
 def _leave_uninitialized(module: nn.Module) -> None:
     pass
+
+
+def fuse_swiglu(model: nn.Module) -> int:
+    """SwiGLU's activation into each decoder layer's gate_up GEMM wherever its layer type can
+    (``fuse_silu``: the C++ bf16 and int8 kernels): one op and one pass over the [T, 2 x
+    intermediate] products fewer per layer. Returns the number of layers fused."""
+    fused = 0
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer) and layer.act_and_mul is silu_and_mul:
+            fuse = getattr(layer.gate_up_proj, "fuse_silu", None)
+            if fuse is not None and fuse():
+                layer.act_and_mul = activation_applied
+                fused += 1
+    return fused
+
+
+def activation_applied(x: torch.Tensor) -> torch.Tensor:
+    """A fused layer's act_and_mul: its gate_up projection has already applied it."""
+    return x
 
 
 def pack_linears_for_cpu(model: nn.Module) -> bool:
@@ -262,7 +307,7 @@ class DecoderLayer(nn.Module):
         # Gemma: norms on the attention output and on the MLP output, before each residual add
         self.attn_out_norm = nn.Parameter(torch.ones(config.hidden_size)) if config.sandwich_norms else None
         self.ffn_out_norm = nn.Parameter(torch.ones(config.hidden_size)) if config.sandwich_norms else None
-        self.act_and_mul = ACTIVATIONS[config.hidden_act]
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[config.hidden_act]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if config.qk_norm else None

@@ -45,10 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear,
         "W8A8 linear: x's rows quantized to int8, times the packed weight in VNNI, rescaled (+ bias, float32 padded "
         "like scales), in x's dtype; rotate_block > 1 turns x's rows by that block Walsh-Hadamard matrix first: "
-        "(x, packed, comp, scales, out_features, bias, rotate_block)");
+        "gated: the weight's 16-channel groups alternate gate and up, the result is silu(gate) * up [m, out_features / 2]: "
+        "(x, packed, comp, scales, out_features, bias, rotate_block, gated)");
   m.def("bf16_gemm_pack", &bf16_gemm_pack,
         "a bf16 weight [n, k] packed for bf16_linear; empty where unsupported: (w) -> (packed,)");
   m.def("bf16_linear", &bf16_linear,
-        "bf16 linear on AVX512-BF16 dot products, for decode-sized batches: (x, packed, out_features, bias: float32 "
-        "padded to 16) -> bf16 [m, out_features]");
+        "bf16 linear on AVX512-BF16 dot products, for decode-sized batches; gated as int8_linear's: (x, packed, "
+        "out_features, bias: float32 padded to 16, gated) -> bf16 [m, out_features (/ 2 gated)]");
 }

@@ -55,6 +55,17 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   return out;
 }
 
+#if defined(__AVX512F__)
+// silu(gate) * up for 16 lanes. exp16, not std::exp: GCC called the scalar expf per element (0.6
+// ns each on 2 threads at 2,048 x 1,536, a prefill chunk: 1.9 ms, more than a tenth of the GEMM
+// before it). e^-gate capped at e^80: 1 / (1 + inf) is NaN under -ffast-math's reciprocal.
+static inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate), _mm512_set1_ps(80.f)));
+  return _mm512_mul_ps(_mm512_mul_ps(gate, _mm512_div_ps(one, _mm512_add_ps(one, e))), up);
+}
+#endif
+
 template <typename T>
 static void silu_and_mul_kernel(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
   at::parallel_for(0, tokens, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
@@ -63,16 +74,10 @@ static void silu_and_mul_kernel(const T* gate_up, T* out, int64_t tokens, int64_
       to_float(gate_up + t * 2 * inter, g.data(), inter);
       to_float(gate_up + t * 2 * inter + inter, u.data(), inter);
 #if defined(__AVX512F__)
-      // exp16, not std::exp: GCC called the scalar expf per element (0.6 ns each on 2 threads
-      // at 2,048 x 1,536, a prefill chunk: 1.9 ms, more than a tenth of the GEMM before it)
-      const __m512 one = _mm512_set1_ps(1.f);
       for (int64_t i = 0; i < inter; i += 16) {
         const __mmask16 m = tail_mask(inter - i);
-        const __m512 gate = _mm512_maskz_loadu_ps(m, g.data() + i);
-        // e^-gate capped at e^80: 1 / (1 + inf) is NaN under -ffast-math's reciprocal
-        const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate), _mm512_set1_ps(80.f)));
-        const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(g.data() + i, m, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), _mm512_maskz_loadu_ps(m, u.data() + i)));
+        _mm512_mask_storeu_ps(g.data() + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, g.data() + i),
+                                                         _mm512_maskz_loadu_ps(m, u.data() + i)));
       }
 #else
       // the same cap as above: without AVX-512 (measured on a Zen 3) gate = -100 gave NaN
@@ -396,6 +401,33 @@ __attribute__((always_inline)) static inline void store_tile(T* out, int64_t n, 
     from_float(result, out + (row + i) * n + col, cols);
   }
 }
+
+// A gated layer's tile (SwiGLU's gate and up projections in one, kvserve.model.llama.fuse_swiglu):
+// its groups come in (gate, up) pairs, so NR is even and out has n / 2 columns; each pair j gives
+// 16 outputs silu(gate) * up, from the float32 sums (no rounding between the two, no second op).
+template <int MR, int NR, typename T, typename Value>
+__attribute__((always_inline)) static inline void store_gated_tile(T* out, int64_t n, int64_t row, int64_t group,
+                                                                    const Value& value) {
+  static_assert(NR % 2 == 0, "a gated tile holds whole (gate, up) pairs");
+  const int64_t half = n / 2, col = group / 2 * 16, cols = std::min<int64_t>(NR / 2 * 16, half - col);
+  float result[NR / 2 * 16];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NR / 2; ++j) _mm512_storeu_ps(result + 16 * j, silu_mul16(value(i, 2 * j), value(i, 2 * j + 1)));
+    from_float(result, out + (row + i) * half + col, cols);
+  }
+}
+
+// A tile's outputs, plain or gated (``gated`` is only ever set with even NR: see packed_gemm).
+template <int MR, int NR, typename T, typename Value>
+__attribute__((always_inline)) static inline void store_any_tile(T* out, int64_t n, int64_t row, int64_t group,
+                                                                  bool gated, const Value& value) {
+  if constexpr (NR % 2 == 0) {
+    if (gated) return store_gated_tile<MR, NR>(out, n, row, group, value);
+  }
+  store_tile<MR, NR>(out, n, row, group, value);
+}
 #endif
 
 // The int8 GEMM of those layers where the CPU has AVX512-VNNI (oneDNN's otherwise): vpdpbusd
@@ -423,6 +455,7 @@ struct Int8GemmArgs {
   const float* w_scales;   // [groups * 16]
   const float* bias;       // [groups * 16] or nullptr
   int64_t m, k, n;
+  bool gated;              // (gate, up) group pairs -> silu(gate) * up, out [m, n / 2]
 };
 
 template <int MR, int NR, typename T>
@@ -430,7 +463,7 @@ static void int8_tile(const Int8GemmArgs& a, int64_t row, int64_t group, T* out,
   __m512i acc[MR][NR];
   tile_sums<MR, NR, 4>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch, acc,
                        [](__m512i sum, __m512i x, __m512i w) { return dpbusd(sum, x, w); });
-  store_tile<MR, NR>(out, a.n, row, group, [&](int i, int j) {
+  store_any_tile<MR, NR>(out, a.n, row, group, a.gated, [&](int i, int j) {
     const int64_t c = group * 16 + 16 * j;
     const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(a.comp + c)));
     const __m512 v = _mm512_mul_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(a.w_scales + c), _mm512_set1_ps(a.x_scales[row + i])));
@@ -477,7 +510,8 @@ static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, cons
 // quantizes its activations there), waits for the others, then owns consecutive groups and goes
 // through them in panels of up to 4. One region rather than two parallel_for calls: at decode
 // sizes a layer is ~50-200 us and the second fork/join and a one-thread quantization showed.
-// Groups in the panel that starts at group g of a thread's range [.., end): up to 4 (0 past the end).
+// Groups in the panel that starts at group g of a thread's range [.., end): up to 4 (0 past the
+// end); even wherever the range's length is (a gated layer's).
 static inline int64_t panel_groups(int64_t g, int64_t end) { return std::clamp<int64_t>(end - g, 0, 4); }
 
 template <typename Tile, typename T, typename Prologue>
@@ -490,7 +524,8 @@ static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& pr
     const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
     prologue(a.m * thread / team, a.m * (thread + 1) / team);
 #pragma omp barrier
-    const int64_t chunk = (groups + team - 1) / team;
+    const int64_t pair = a.gated ? 2 : 1;  // gated: each thread's groups are whole (gate, up) pairs
+    const int64_t chunk = ((groups + team - 1) / team + pair - 1) / pair * pair;
     const int64_t end = std::min(groups, (thread + 1) * chunk);
     for (int64_t g = thread * chunk; g < end;) {
       const int64_t nr = panel_groups(g, end);
@@ -524,6 +559,7 @@ struct Bf16GemmArgs {
   const uint16_t* packed;  // [groups, k / 2, 16, 2] bf16
   const float* bias;       // [groups * 16] or nullptr
   int64_t m, k, n;
+  bool gated;              // as Int8GemmArgs'
 };
 
 struct Bf16Tile {
@@ -535,7 +571,7 @@ struct Bf16Tile {
     __m512 acc[MR][NR];
     tile_sums<MR, NR, 2>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch,
                          acc, [](__m512 sum, __m512i x, __m512i w) { return dpbf16(sum, x, w); });
-    store_tile<MR, NR>(out, a.n, row, group, [&](int i, int j) {
+    store_any_tile<MR, NR>(out, a.n, row, group, a.gated, [&](int i, int j) {
       return a.bias != nullptr ? _mm512_add_ps(acc[i][j], _mm512_loadu_ps(a.bias + group * 16 + 16 * j)) : acc[i][j];
     });
   }
@@ -560,10 +596,18 @@ std::vector<torch::Tensor> bf16_gemm_pack(torch::Tensor w) {
 #endif
 }
 
+// A gated layer's out_features: whole (gate, up) pairs of 16-channel groups (see store_gated_tile).
+[[maybe_unused]] static int64_t output_columns(int64_t out_features, bool gated) {
+  TORCH_CHECK(!gated || out_features % 32 == 0, "a gated layer needs out_features = 2 x a multiple of 16, got ",
+              out_features);
+  return gated ? out_features / 2 : out_features;
+}
+
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias) {
+                          c10::optional<torch::Tensor> bias, bool gated) {
   // x bf16 [m, k] contiguous -> x @ W.T (+ bias) [m, out_features] bf16, W from bf16_gemm_pack; bias
-  // float32, padded to the groups (prepared once at load)
+  // float32, padded to the groups (prepared once at load); gated: W's groups of 16 channels
+  // alternate gate and up, and the result is silu(gate) * up [m, out_features / 2]
 #if defined(__AVX512BF16__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [m, k]");
   const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
@@ -572,13 +616,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
                 "bias: float32 [out_features padded to a multiple of 16]");
-  auto out = torch::empty({m, out_features}, x.options());
+  auto out = torch::empty({m, output_columns(out_features, gated)}, x.options());
   const Bf16GemmArgs args{reinterpret_cast<const uint16_t*>(x.data_ptr()),
                           reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                          bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features};
+                          bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features, gated};
   packed_gemm<Bf16Tile>(args, out.data_ptr<c10::BFloat16>(), [](int64_t, int64_t) {});
   return out;
 #else
+  (void)gated;
   TORCH_CHECK(false, "bf16_linear needs AVX512-BF16 (bf16_gemm_pack returned nothing)");
 #endif
 }
@@ -617,10 +662,12 @@ std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor sca
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
-                          int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block) {
+                          int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block,
+                          bool gated) {
   // x [m, k] contiguous float -> x @ W.T (+ bias) [m, out_features] in x's dtype, W from int8_gemm_pack;
   // bias float32, padded like the scales (prepared once at load, not per call); rotate_block > 1:
-  // x's rows are turned by the block Walsh-Hadamard matrix first (W was turned at load)
+  // x's rows are turned by the block Walsh-Hadamard matrix first (W was turned at load); gated: as
+  // bf16_linear's
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
   const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
@@ -634,7 +681,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   scratch.resize(static_cast<size_t>(m + (m * k + 3) / 4));
   float* row_scales = scratch.data();
   uint8_t* row_codes = reinterpret_cast<uint8_t*>(scratch.data() + m);
-  auto out = torch::empty({m, out_features}, x.options());
+  auto out = torch::empty({m, output_columns(out_features, gated)}, x.options());
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
                 "bias: float32 [out_features padded to a multiple of 16]");
@@ -642,7 +689,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     const scalar_t* rows = x.data_ptr<scalar_t>();
     const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
                             scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                            m, k, out_features};
+                            m, k, out_features, gated};
     // each thread quantizes its share of the rows inside the GEMM's parallel region
     packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
       quantize_row_range(rows, row_codes, row_scales, begin, end, k, true, rotate_block);
@@ -651,6 +698,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   return out;
 #else
   (void)rotate_block;
+  (void)gated;
   TORCH_CHECK(false, "int8_linear needs AVX512-VNNI (int8_gemm_pack returned nothing)");
 #endif
 }

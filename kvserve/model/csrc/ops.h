@@ -41,7 +41,8 @@ std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor x, bool offset);
 void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch::Tensor> bias);
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
-                          int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block);
+                          int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block,
+                          bool gated);
 std::vector<torch::Tensor> bf16_gemm_pack(torch::Tensor w);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias);
+                          c10::optional<torch::Tensor> bias, bool gated);
