@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import kvserve.engine.engine as engine_module
 import kvserve.model.int8_linear as int8_linear
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LoadedModel, load_model
 from kvserve.model.cpu_kernels import cpu_op
-from kvserve.model.int8_linear import Int8Embedding, Int8Linear, _quantize_rows_torch, quantize_linears, quantize_rows
+from kvserve.model.int8_linear import (
+    Int8Embedding,
+    Int8Linear,
+    _quantize_rows_torch,
+    fuse_norms_into_int8,
+    quantize_linears,
+    quantize_rows,
+)
 from kvserve.model.rotation import rotate_rows
 from kvserve.quant.data import python_reference
 from kvserve.quant.evaluate import next_token_logprobs
@@ -163,6 +173,60 @@ def test_fused_swiglu_is_silu_of_the_int8_products(dtype: torch.dtype, bias: boo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_int8_layer_after_norm_is_the_layer_of_the_normed_rows(dtype: torch.dtype, with_delta: bool,
+                                                               gated: bool) -> None:
+    """forward_after_norm (VNNI kernel): the residual gains delta in place, rounded as
+    add_rms_norm stores it; the output is the exact int8 product of the rows' RMS norms (unit
+    weight), rounded once, and gated the same with silu(gate) * up."""
+    if not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    torch.manual_seed(2)
+    linear = nn.Linear(96, 64, bias=False).to(dtype)
+    layer = Int8Linear(linear)
+    assert layer.takes_residual() and (not gated or layer.fuse_silu())
+    for m in (2, 7, 40):
+        residual = _rows(dtype, m, 96) * 3
+        delta = torch.randn(m, 96).to(dtype) if with_delta else None
+        expected_residual = residual if delta is None else (residual.float() + delta.float()).to(dtype)
+        out = layer.forward_after_norm(residual, delta, 1e-6)
+        assert torch.equal(residual, expected_residual)
+        rows = residual.double()
+        normed = rows / (rows.pow(2).mean(dim=1, keepdim=True) + 1e-6).sqrt()
+        expected = _reference(linear, normed)
+        if gated:
+            gate, up = expected.chunk(2, dim=-1)
+            expected = nn.functional.silu(gate) * up
+        assert out.shape == (m, 32 if gated else 64) and out.dtype == dtype
+        tol = ROUNDING[dtype] / 2 * expected.abs().amax(dim=-1, keepdim=True)
+        assert ((out.double() - expected).abs() <= tol + 1e-5).all(), (out.double() - expected).abs().max()
+
+
+def test_norms_fuse_where_their_weights_are_one(tiny_model_factory: Callable[..., Path],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model's int8 path runs each decoder layer's norms inside its QKV and gate/up GEMMs
+    where the turned stream left their weights at one: the same next-token log-probabilities as
+    with the norms apart (float32); a layer whose norm weights are not all one keeps them apart."""
+    if not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    path = str(tiny_model_factory("llama"))
+    fused = load_model(path, torch.device("cpu"), torch.float32, "int8")
+    assert all(layer.norms_in_projections for layer in fused.model.layers)
+    monkeypatch.setattr(engine_module, "fuse_norms_into_int8", lambda model: 0)
+    apart = load_model(path, torch.device("cpu"), torch.float32, "int8")
+    assert not any(layer.norms_in_projections for layer in apart.model.layers)
+    tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    logprobs = [next_token_logprobs(LLM(loaded=loaded, quantization="int8", kv_cache_memory="4MiB",
+                                        max_model_len=256).engine, tokens, 16) for loaded in (fused, apart)]
+    torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-3, rtol=1e-3)
+    layers = apart.model.layers
+    layers[0].ffn_norm.data[3] = 2.0  # a weight not folded away: that layer keeps its norms apart
+    assert fuse_norms_into_int8(apart.model) == len(layers) - 1
+    assert [layer.norms_in_projections for layer in layers] == [False] + [True] * (len(layers) - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_embedding_looks_up_its_rounded_rows(dtype: torch.dtype) -> None:
     """A lookup is the row's codes times its scale, in the embedding's dtype, within half a step
     of the original row; any shape of ids."""
@@ -257,16 +321,19 @@ def smollm_int8() -> LoadedModel:
 
 
 def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedModel) -> None:
-    """Every linear layer is int8, the LM head too (an int8 copy: the tied embedding stays bf16
-    for the lookup); the residual stream is rotated and each down projection's input turned at
-    run time; the rest of the weights take about half the bytes, and the model still knows its
-    facts."""
+    """Every linear layer is int8, the LM head too (its own copy of the tied matrix) and the
+    embedding (int8 rows); the residual stream is rotated and each down projection's input turned
+    at run time; with the VNNI kernel every layer's norms run inside its QKV and gate/up GEMMs and
+    SwiGLU in the gate/up GEMM's store; the weights take about half the bytes, and the model
+    still knows its facts."""
     model: Any = smollm_int8.model
     int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(int8_layers) == 4 * smollm_int8.config.num_layers + 1 and isinstance(model.lm_head, Int8Linear)
     assert [m for m in int8_layers if m.rotation is not None] == [layer.down_proj for layer in model.layers]
     assert (model.norm == 1).all() and (model.layers[0].input_layernorm == 1).all()  # folded into the layers
     assert isinstance(model.embed_tokens, Int8Embedding)
+    vnni = _vnni_available()
+    assert all(layer.norms_in_projections == vnni and layer.gate_up_proj.gated == vnni for layer in model.layers)
     bf16_bytes = smollm.weight_bytes // 2  # the fixture is float32
     embedding = smollm.model.embed_tokens.weight.numel() * 2  # tied: its bf16 bytes, once
     # every weight in one byte (plus scales), the tied embedding twice: itself and the head

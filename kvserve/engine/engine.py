@@ -47,7 +47,7 @@ from kvserve.engine.scheduler import ScheduledChunk, Scheduler
 from kvserve.engine.snapkv import snapkv_keep
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.model.deepseek import DeepseekForCausalLM
-from kvserve.model.int8_linear import Int8Embedding, quantize_linears, quantized_bytes
+from kvserve.model.int8_linear import Int8Embedding, fuse_norms_into_int8, quantize_linears, quantized_bytes
 from kvserve.model.llama import (
     LlamaForCausalLM,
     apply_rope,
@@ -95,6 +95,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     if quantization is not None:
         stream_rotated = rotate_residual_stream(module)
         quantize_linears(module, quantization, rotate=run_time_rotations(module, stream_rotated))
+        fuse_norms_into_int8(module)
         setattr(module, "embed_tokens", Int8Embedding(module.embed_tokens))  # noqa: B010 (nn.Embedding's slot)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
     pack_linears_for_cpu(module)

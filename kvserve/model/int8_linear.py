@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvserve.config import QUANTIZATION_METHODS
 from kvserve.model.cpu_kernels import cpu_op
-from kvserve.model.llama import interleave_gate_up, shaped_like_input, token_rows
+from kvserve.model.llama import DecoderLayer, interleave_gate_up, shaped_like_input, token_rows
 from kvserve.model.rotation import hadamard_block, rotate_rows
 
 logger = logging.getLogger("kvserve")
@@ -176,6 +177,7 @@ class Int8Linear(nn.Module):
         self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
         self._linear = cpu_op("int8_linear") if vnni is not None else None
+        self._linear_after_norm: Any = cpu_op("int8_linear_after_norm") if vnni is not None else None
         # hadamard_block's (shared, not a buffer), with rotate_input: the C++ op turns the rows
         # itself, the other paths before quantizing (rotate_rows)
         self.rotation = rotation
@@ -192,6 +194,18 @@ class Int8Linear(nn.Module):
         us a call); again after weights_on_huge_pages moved them."""
         self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
                              1 if self.rotation is None else self.rotation.shape[0], self.gated)
+        self._after_norm_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features,
+                                 self.vnni_bias, self.gated)
+
+    def takes_residual(self) -> bool:
+        """Whether forward_after_norm can run: the VNNI kernel, no run-time turn of the input."""
+        return self._linear_after_norm is not None and self.rotation is None
+
+    def forward_after_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """self(add_rms_norm(residual, delta, unit weight, eps)) in one C++ call (residual [T,
+        in_features], updated in place): the norm only scales each row, which the row's int8
+        scale takes. Needs takes_residual()."""
+        return self._linear_after_norm(residual, delta, eps, *self._after_norm_args)
 
     def fuse_silu(self) -> bool:
         """As PackedLinear.fuse_silu, in the VNNI kernel (its packed groups, channel terms,
@@ -226,6 +240,22 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             sums.add_(self.bias.detach())
         return shaped_like_input(sums.to(x.dtype), x)
+
+
+def fuse_norms_into_int8(model: nn.Module) -> int:
+    """Each decoder layer's two RMSNorms into the int8 layers they feed (its QKV and gate/up
+    projections: ``forward_after_norm``, the residual add and the norm in the GEMM's row
+    quantization, one op less each) where the norms' weights are one (rotation folds them into
+    those layers) and both layers take_residual. Returns the number of decoder layers fused."""
+    fused = 0
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer) and all(
+            isinstance(projection, Int8Linear) and projection.takes_residual() and bool((norm == 1).all())
+            for projection, norm in ((layer.qkv_proj, layer.input_layernorm), (layer.gate_up_proj, layer.ffn_norm))
+        ):
+            layer.norms_in_projections = True
+            fused += 1
+    return fused
 
 
 class Int8Embedding(nn.Module):

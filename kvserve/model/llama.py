@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -308,6 +308,9 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = nn.Parameter(torch.ones(config.hidden_size)) if config.sandwich_norms else None
         self.ffn_out_norm = nn.Parameter(torch.ones(config.hidden_size)) if config.sandwich_norms else None
         self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[config.hidden_act]
+        # int8_linear.fuse_norms_into_int8: the QKV and gate/up projections take the residual
+        # stream and normalize it themselves (norm weights of one)
+        self.norms_in_projections = False
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if config.qk_norm else None
@@ -329,9 +332,9 @@ class DecoderLayer(nn.Module):
         Returns (hidden, this layer's MLP output). ``ropes``: (global, local) rotary tables."""
         num_tokens = hidden.shape[0]
         rope = ropes[self.local_rope]
-        x = add_rms_norm(hidden, delta, self.input_layernorm, self.eps)
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qkv = self.normed_projection(self.qkv_proj, hidden, delta, self.input_layernorm)
+        qkv = qkv.view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
         rewrite = meta.query_observer is None  # an observed recompute reads the K/V already cached
         if meta.fused_rope_write and self.q_norm is None and meta.kv_observer is None and rewrite \
@@ -357,11 +360,18 @@ class DecoderLayer(nn.Module):
         attn = self.o_proj(paged_attention(q, kv, meta, self.scale).view(num_tokens, self.q_size))
         if self.attn_out_norm is not None:
             attn = F.rms_norm(attn, (attn.shape[-1],), self.attn_out_norm, self.eps)
-        x = add_rms_norm(hidden, attn, self.ffn_norm, self.eps)
-        mlp = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        mlp = self.down_proj(self.act_and_mul(self.normed_projection(self.gate_up_proj, hidden, attn, self.ffn_norm)))
         if self.ffn_out_norm is not None:
             mlp = F.rms_norm(mlp, (mlp.shape[-1],), self.ffn_out_norm, self.eps)
         return hidden, mlp
+
+    def normed_projection(self, projection: nn.Module, hidden: torch.Tensor, delta: torch.Tensor | None,
+                          norm: torch.Tensor) -> torch.Tensor:
+        """projection(rms_norm(hidden += delta) * norm), hidden updated in place: in one op where
+        the projection normalizes its own input (norms_in_projections)."""
+        if self.norms_in_projections:
+            return cast(Any, projection).forward_after_norm(hidden, delta, self.eps)
+        return projection(add_rms_norm(hidden, delta, norm, self.eps))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -47,6 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "like scales), in x's dtype; rotate_block > 1 turns x's rows by that block Walsh-Hadamard matrix first: "
         "gated: the weight's 16-channel groups alternate gate and up, the result is silu(gate) * up [m, out_features / 2]: "
         "(x, packed, comp, scales, out_features, bias, rotate_block, gated)");
+  m.def("int8_linear_after_norm", &int8_linear_after_norm,
+        "int8_linear of add_rms_norm(residual, delta, unit weight, eps) in one call, residual += delta in place: "
+        "(residual, delta, eps, packed, comp, scales, out_features, bias, gated)");
   m.def("bf16_gemm_pack", &bf16_gemm_pack,
         "a bf16 weight [n, k] packed for bf16_linear; empty where unsupported: (w) -> (packed,)");
   m.def("bf16_linear", &bf16_linear,

@@ -8,6 +8,18 @@
 #include "common.h"
 #include "ops.h"
 
+// res += delta for one row, stored rounded to T; x = the row as stored (normalized as torch would
+// normalize it), d scratch.
+template <typename T>
+static inline void add_to_residual(T* res, const T* delta, float* x, float* d, int64_t n) {
+  to_float(res, x, n);
+  to_float(delta, d, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+  from_float(x, res, n);
+  to_float(res, x, n);
+}
+
 template <typename T>
 static void add_rms_norm_kernel(T* residual, const T* delta, const T* weight, T* out, int64_t tokens, int64_t hidden,
                                 float eps) {
@@ -16,14 +28,8 @@ static void add_rms_norm_kernel(T* residual, const T* delta, const T* weight, T*
     to_float(weight, w.data(), hidden);
     for (int64_t t = begin; t < end; ++t) {
       T* res = residual + t * hidden;
-      to_float(res, x.data(), hidden);
-      if (delta != nullptr) {
-        to_float(delta + t * hidden, d.data(), hidden);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) x[i] += d[i];
-        from_float(x.data(), res, hidden);
-        to_float(res, x.data(), hidden);  // normalize the residual as stored (rounded to T), as torch would
-      }
+      if (delta != nullptr) add_to_residual(res, delta + t * hidden, x.data(), d.data(), hidden);
+      else to_float(res, x.data(), hidden);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < hidden; ++i) sum += x[i] * x[i];
@@ -250,9 +256,36 @@ static float row_to_float(const T* x, float* f, int64_t cols, int64_t rotate_blo
   return amax;
 }
 
-// codes = round(x / s) with s = max|x| / 127 per row (1 for an all-zero row); scales[r] = s.
-// ``offset``: codes + 128 as uint8 (oneDNN's u8 activations, zero point 128), else int8.
-// ``rotate_block`` > 1: each row is first turned by hadamard_blocks (an int8 layer's rotated input).
+// row = the int8 codes of f [cols], round(f / s) with s = amax / 127 (amax = max |f|; s = 1 for an
+// all-zero row); returns s. ``flip`` 0x80: codes + 128 as uint8 (oneDNN's u8 activations, zero
+// point 128, and the VNNI kernel's), 0: int8.
+static float store_row_codes(const float* f, float amax, uint8_t* row, int64_t cols, int flip) {
+  const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+  for (; i + 16 <= cols; i += 16) {  // round to nearest even, saturate to int8
+    const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f + i), vinv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(q, vflip));
+  }
+#elif defined(__AVX2__)
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+  for (; i + 8 <= cols; i += 8) {  // round to nearest even; |code| <= 127, so the packs never saturate
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(f + i), vinv));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(_mm_packs_epi16(w, w), vflip));
+  }
+#endif
+  for (; i < cols; ++i)
+    row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(f[i] * inv))) ^ static_cast<uint8_t>(flip);
+  return scale;
+}
+
+// Rows [begin, end) of x quantized per row: codes [rows, cols] and scales [rows] (store_row_codes).
+// ``offset``: codes + 128 as uint8, else int8. ``rotate_block`` > 1: each row is first turned by
+// hadamard_blocks (an int8 layer's rotated input).
 template <typename T>
 static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_t begin, int64_t end, int64_t cols,
                                bool offset, int64_t rotate_block = 1) {
@@ -260,28 +293,30 @@ static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_
   std::vector<float> f(cols);
   for (int64_t r = begin; r < end; ++r) {
     const float amax = row_to_float(x + r * cols, f.data(), cols, rotate_block);
-    const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
-    scales[r] = scale;
-    uint8_t* row = codes + r * cols;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 vinv = _mm512_set1_ps(inv);
-    const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
-    for (; i + 16 <= cols; i += 16) {  // round to nearest even, saturate to int8
-      const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f.data() + i), vinv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(q, vflip));
+    scales[r] = store_row_codes(f.data(), amax, codes + r * cols, cols, flip);
+  }
+}
+
+// An int8 layer's rows taken from the residual stream (int8_linear_after_norm): residual += delta
+// (when given; stored rounded to T, as add_rms_norm stores it), then the codes (+ 128) of the
+// row's RMS norm with unit weight. The norm only scales a row, so the codes are the residual's
+// own and 1 / rms(row) goes into the row's scale.
+template <typename T>
+static void add_norm_quantize_row_range(T* residual, const T* delta, uint8_t* codes, float* scales, int64_t begin,
+                                        int64_t end, int64_t cols, float eps) {
+  std::vector<float> f(cols), d(cols);
+  for (int64_t r = begin; r < end; ++r) {
+    T* res = residual + r * cols;
+    if (delta != nullptr) add_to_residual(res, delta + r * cols, f.data(), d.data(), cols);
+    else to_float(res, f.data(), cols);
+    float amax = 0.f, sum = 0.f;
+#pragma omp simd reduction(max : amax) reduction(+ : sum)
+    for (int64_t i = 0; i < cols; ++i) {
+      amax = std::max(amax, std::fabs(f[i]));
+      sum += f[i] * f[i];
     }
-#elif defined(__AVX2__)
-    const __m256 vinv = _mm256_set1_ps(inv);
-    const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
-    for (; i + 8 <= cols; i += 8) {  // round to nearest even; |code| <= 127, so the packs never saturate
-      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(f.data() + i), vinv));
-      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(row + i), _mm_xor_si128(_mm_packs_epi16(w, w), vflip));
-    }
-#endif
-    for (; i < cols; ++i)
-      row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(f[i] * inv))) ^ static_cast<uint8_t>(flip);
+    scales[r] = store_row_codes(f.data(), amax, codes + r * cols, cols, 0x80) /
+                std::sqrt(sum / static_cast<float>(cols) + eps);
   }
 }
 
@@ -661,6 +696,41 @@ std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor sca
 #endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// An int8 layer on x [m, k] (int8_linear, int8_linear_after_norm): the checks, the activation
+// buffers and the GEMM, in whose parallel region each thread first runs
+// quantize(rows, codes, scales, begin, end) on its share of the rows (rows: x's data, typed).
+template <typename Quantize>
+static torch::Tensor int8_layer(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& comp,
+                                const torch::Tensor& scales, int64_t out_features,
+                                const c10::optional<torch::Tensor>& bias, bool gated, const Quantize& quantize) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
+  const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(1) * 4 == k && comp.numel() == groups * 16 &&
+              scales.numel() == groups * 16, "packed weight does not match x / out_features");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
+                "bias: float32 [out_features padded to a multiple of 16]");
+  // the activation codes and their scales live only within this call: in a buffer the calling
+  // thread keeps, not two tensors (with the fused pass above: 4.5 -> 3.6 us a call at 32 x 576)
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(m + (m * k + 3) / 4));
+  float* row_scales = scratch.data();
+  uint8_t* row_codes = reinterpret_cast<uint8_t*>(scratch.data() + m);
+  auto out = torch::empty({m, output_columns(out_features, gated)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+    scalar_t* rows = x.data_ptr<scalar_t>();
+    const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
+                            scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                            m, k, out_features, gated};
+    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
+      quantize(rows, row_codes, row_scales, begin, end);
+    });
+  });
+  return out;
+}
+#endif
+
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
                           int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block,
                           bool gated) {
@@ -669,36 +739,40 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   // x's rows are turned by the block Walsh-Hadamard matrix first (W was turned at load); gated: as
   // bf16_linear's
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
-  const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
-  TORCH_CHECK(rotate_block >= 1 && (rotate_block & (rotate_block - 1)) == 0 && k % rotate_block == 0,
-              "rotate_block must be a power of two dividing in_features");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(1) * 4 == k && comp.numel() == groups * 16 &&
-              scales.numel() == groups * 16, "packed weight does not match x / out_features");
-  // the activation codes and their scales live only within this call: in a buffer the calling
-  // thread keeps, not two tensors (with the fused pass above: 4.5 -> 3.6 us a call at 32 x 576)
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(m + (m * k + 3) / 4));
-  float* row_scales = scratch.data();
-  uint8_t* row_codes = reinterpret_cast<uint8_t*>(scratch.data() + m);
-  auto out = torch::empty({m, output_columns(out_features, gated)}, x.options());
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
-                "bias: float32 [out_features padded to a multiple of 16]");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    const scalar_t* rows = x.data_ptr<scalar_t>();
-    const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
-                            scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                            m, k, out_features, gated};
-    // each thread quantizes its share of the rows inside the GEMM's parallel region
-    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
-      quantize_row_range(rows, row_codes, row_scales, begin, end, k, true, rotate_block);
-    });
-  });
-  return out;
+  TORCH_CHECK(rotate_block >= 1 && (rotate_block & (rotate_block - 1)) == 0 && x.dim() == 2 &&
+              x.size(1) % rotate_block == 0, "rotate_block must be a power of two dividing in_features");
+  const int64_t k = x.dim() == 2 ? x.size(1) : 0;
+  return int8_layer(x, packed, comp, scales, out_features, bias, gated,
+                    [&](auto* rows, uint8_t* codes, float* row_scales, int64_t begin, int64_t end) {
+                      quantize_row_range(rows, codes, row_scales, begin, end, k, true, rotate_block);
+                    });
 #else
   (void)rotate_block;
   (void)gated;
   TORCH_CHECK(false, "int8_linear needs AVX512-VNNI (int8_gemm_pack returned nothing)");
+#endif
+}
+
+torch::Tensor int8_linear_after_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, double eps,
+                                     torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
+                                     int64_t out_features, c10::optional<torch::Tensor> bias, bool gated) {
+  // int8_linear(add_rms_norm(residual, delta, ones, eps), ...) in one call: residual [m, k] is
+  // updated in place by += delta (when given), and the layer's input is its RMS norm with unit
+  // weight (a norm whose weight was folded into W: kvserve.model.rotation)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (delta.has_value())
+    TORCH_CHECK(delta->sizes() == residual.sizes() && delta->is_contiguous() &&
+                delta->scalar_type() == residual.scalar_type(), "delta must match the residual");
+  const int64_t k = residual.dim() == 2 ? residual.size(1) : 0;
+  return int8_layer(residual, packed, comp, scales, out_features, bias, gated,
+                    [&](auto* rows, uint8_t* codes, float* row_scales, int64_t begin, int64_t end) {
+                      using T = std::remove_pointer_t<decltype(rows)>;
+                      add_norm_quantize_row_range(rows, delta.has_value() ? delta->data_ptr<T>() : nullptr, codes,
+                                                  row_scales, begin, end, k, static_cast<float>(eps));
+                    });
+#else
+  (void)residual, (void)delta, (void)eps, (void)packed, (void)comp, (void)scales, (void)out_features, (void)bias;
+  (void)gated;
+  TORCH_CHECK(false, "int8_linear_after_norm needs AVX512-VNNI (int8_gemm_pack returned nothing)");
 #endif
 }

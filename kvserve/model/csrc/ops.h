@@ -43,6 +43,9 @@ std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor sca
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
                           int64_t out_features, c10::optional<torch::Tensor> bias, int64_t rotate_block,
                           bool gated);
+torch::Tensor int8_linear_after_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, double eps,
+                                     torch::Tensor packed, torch::Tensor comp, torch::Tensor scales,
+                                     int64_t out_features, c10::optional<torch::Tensor> bias, bool gated);
 std::vector<torch::Tensor> bf16_gemm_pack(torch::Tensor w);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                           c10::optional<torch::Tensor> bias, bool gated);
