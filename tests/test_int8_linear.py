@@ -203,6 +203,25 @@ def test_int8_layer_after_norm_is_the_layer_of_the_normed_rows(dtype: torch.dtyp
         assert ((out.double() - expected).abs() <= tol + 1e-5).all(), (out.double() - expected).abs().max()
 
 
+def test_int8_ops_refuse_bad_arguments() -> None:
+    """The VNNI ops name what is wrong: a turn block that does not divide the inputs, a gated
+    layer whose outputs are no whole (gate, up) pairs, a residual that is not rows, a delta
+    unlike the residual."""
+    if not _vnni_available():
+        pytest.skip("no AVX512-VNNI kernel on this CPU")
+    packed, comp, scales = cpu_op("int8_gemm_pack")(torch.ones(48, 64, dtype=torch.int8), torch.ones(48))
+    x = torch.randn(3, 64)
+    linear, after_norm = cpu_op("int8_linear"), cpu_op("int8_linear_after_norm")
+    with pytest.raises(RuntimeError, match="rotate_block must be a power of two"):
+        linear(x, packed, comp, scales, 48, None, 3, False)
+    with pytest.raises(RuntimeError, match="gated layer needs out_features = 2 x a multiple of 16, got 48"):
+        linear(x, packed, comp, scales, 48, None, 1, True)
+    with pytest.raises(RuntimeError, match="residual must be contiguous"):
+        after_norm(torch.randn(64), None, 1e-6, packed, comp, scales, 48, None, False)
+    with pytest.raises(RuntimeError, match="delta must match"):
+        after_norm(x, torch.randn(3, 32), 1e-6, packed, comp, scales, 48, None, False)
+
+
 def test_norms_fuse_where_their_weights_are_one(tiny_model_factory: Callable[..., Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """load_model's int8 path runs each decoder layer's norms inside its QKV and gate/up GEMMs

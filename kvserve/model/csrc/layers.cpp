@@ -739,9 +739,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   // x's rows are turned by the block Walsh-Hadamard matrix first (W was turned at load); gated: as
   // bf16_linear's
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  TORCH_CHECK(rotate_block >= 1 && (rotate_block & (rotate_block - 1)) == 0 && x.dim() == 2 &&
-              x.size(1) % rotate_block == 0, "rotate_block must be a power of two dividing in_features");
-  const int64_t k = x.dim() == 2 ? x.size(1) : 0;
+  TORCH_CHECK(x.dim() == 2, "x must be contiguous [rows, cols]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(rotate_block >= 1 && (rotate_block & (rotate_block - 1)) == 0 && k % rotate_block == 0,
+              "rotate_block must be a power of two dividing in_features");
   return int8_layer(x, packed, comp, scales, out_features, bias, gated,
                     [&](auto* rows, uint8_t* codes, float* row_scales, int64_t begin, int64_t end) {
                       quantize_row_range(rows, codes, row_scales, begin, end, k, true, rotate_block);
@@ -760,10 +761,11 @@ torch::Tensor int8_linear_after_norm(torch::Tensor residual, c10::optional<torch
   // updated in place by += delta (when given), and the layer's input is its RMS norm with unit
   // weight (a norm whose weight was folded into W: kvserve.model.rotation)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  TORCH_CHECK(residual.dim() == 2, "residual must be contiguous [rows, cols]");
   if (delta.has_value())
     TORCH_CHECK(delta->sizes() == residual.sizes() && delta->is_contiguous() &&
                 delta->scalar_type() == residual.scalar_type(), "delta must match the residual");
-  const int64_t k = residual.dim() == 2 ? residual.size(1) : 0;
+  const int64_t k = residual.size(1);
   return int8_layer(residual, packed, comp, scales, out_features, bias, gated,
                     [&](auto* rows, uint8_t* codes, float* row_scales, int64_t begin, int64_t end) {
                       using T = std::remove_pointer_t<decltype(rows)>;
