@@ -72,6 +72,13 @@ def _reference(linear: nn.Linear, x: torch.Tensor, weight_max: int = 127) -> tor
     return out.view(*x.shape[:-1], -1)
 
 
+def _assert_within_rounding(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, rounds: int = 1,
+                         slack: float = 1e-5) -> None:
+    """out within ``rounds`` roundings into ``dtype`` of the largest expected value of its row."""
+    tol = ROUNDING[dtype] * rounds / 2 * expected.abs().amax(dim=-1, keepdim=True)
+    assert ((out.double() - expected).abs() <= tol + slack).all(), (out.double() - expected).abs().max()
+
+
 def _vnni_available() -> bool:
     return int8_linear._vnni_pack(torch.ones(16, 8, dtype=torch.int8), torch.ones(16)) is not None
 
@@ -142,8 +149,7 @@ def _check_int8_layer(dtype: torch.dtype, bias: bool, out_features: int, rotate:
         turned = x if turn is None else rotate_rows(x.view(m, in_features), turn).view(1, m, in_features)
         ref = _reference(ref_linear, turned, layer.weight_max)
         # rounding of the largest output: the VNNI kernel and the fallback round once, oneDNN's path twice
-        tol = ROUNDING[dtype] / (1 if rounds_twice else 2) * ref.abs().amax(dim=-1, keepdim=True)
-        assert ((out.double() - ref).abs() <= tol + 1e-6).all(), (m, (out.double() - ref).abs().max())
+        _assert_within_rounding(out, ref, dtype, rounds=2 if rounds_twice else 1, slack=1e-6)
         float_out = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None
                                          else linear.bias.float())
         assert ((out.float() - float_out).norm() / float_out.norm()) < 0.02
@@ -168,8 +174,7 @@ def test_fused_swiglu_is_silu_of_the_int8_products(dtype: torch.dtype, bias: boo
         expected = nn.functional.silu(gate) * up
         out = layer(x)
         assert out.shape == (1, m, 80) and out.dtype == dtype
-        tol = ROUNDING[dtype] / 2 * expected.abs().amax(dim=-1, keepdim=True)
-        assert ((out.double() - expected).abs() <= tol + 1e-5).all(), (out.double() - expected).abs().max()
+        _assert_within_rounding(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,8 +204,7 @@ def test_int8_layer_after_norm_is_the_layer_of_the_normed_rows(dtype: torch.dtyp
             gate, up = expected.chunk(2, dim=-1)
             expected = nn.functional.silu(gate) * up
         assert out.shape == (m, 32 if gated else 64) and out.dtype == dtype
-        tol = ROUNDING[dtype] / 2 * expected.abs().amax(dim=-1, keepdim=True)
-        assert ((out.double() - expected).abs() <= tol + 1e-5).all(), (out.double() - expected).abs().max()
+        _assert_within_rounding(out, expected, dtype)
 
 
 def test_int8_ops_refuse_bad_arguments() -> None:

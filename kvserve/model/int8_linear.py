@@ -194,8 +194,7 @@ class Int8Linear(nn.Module):
         us a call); again after weights_on_huge_pages moved them."""
         self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
                              1 if self.rotation is None else self.rotation.shape[0], self.gated)
-        self._after_norm_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features,
-                                 self.vnni_bias, self.gated)
+        self._after_norm_args = (*self._linear_args[:5], self.gated)  # the same, less the turn block
 
     def takes_residual(self) -> bool:
         """Whether forward_after_norm can run: the VNNI kernel, no run-time turn of the input."""

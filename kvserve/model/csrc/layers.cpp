@@ -169,6 +169,11 @@ static inline __m512 hadamard_lanes(__m512 x) {
   const __m512 sign = _mm512_mask_blend_ps(static_cast<__mmask16>(high), _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f));
   return _mm512_fmadd_ps(x, sign, partner);
 }
+
+// x times the 16 x 16 +-1 Walsh-Hadamard matrix (Sylvester's order): the strides 1-8 of a block.
+static inline __m512 hadamard16(__m512 x) {
+  return hadamard_lanes<8>(hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(x))));
+}
 #endif
 
 // f [cols] times the block-diagonal +-1 Walsh-Hadamard matrix of ``block`` (a power of two
@@ -178,10 +183,7 @@ static void hadamard_blocks(float* f, int64_t cols, int64_t block) {
   int64_t stride = 1;
 #if defined(__AVX512F__)
   if (block >= 16) {  // strides 1-8 inside each vector
-    for (int64_t i = 0; i < cols; i += 16) {
-      const __m512 x = _mm512_loadu_ps(f + i);
-      _mm512_storeu_ps(f + i, hadamard_lanes<8>(hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(x)))));
-    }
+    for (int64_t i = 0; i < cols; i += 16) _mm512_storeu_ps(f + i, hadamard16(_mm512_loadu_ps(f + i)));
     stride = 16;
   }
 #endif
@@ -209,7 +211,7 @@ static float row_to_float_blocks(const T* x, float* f, int64_t cols) {
 #pragma GCC unroll 8
     for (int j = 0; j < V; ++j) {
       v[j] = load16(x + i + 16 * j);
-      if constexpr (kTurn) v[j] = hadamard_lanes<8>(hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(v[j]))));
+      if constexpr (kTurn) v[j] = hadamard16(v[j]);
     }
     if constexpr (kTurn) {
 #pragma GCC unroll 4
