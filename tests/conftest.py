@@ -19,6 +19,51 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from kvserve.engine.engine import LoadedModel, load_model  # noqa: E402
+from kvserve.model.cpu_build import LEVEL_NAMES, LEVELS, build_state, level  # noqa: E402
+from kvserve.model.cpu_kernels import cpu_kernels, missing_flags, use_isa  # noqa: E402
+
+# ---------------------------------------------------------------- the C++ ops at every ISA level
+
+ISA_TESTS: dict[str, int] = {}  # level -> tests run with its ops
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "isa_levels(*names): the ISA levels an `isa` test runs at (default: all)")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The ops of the level that runs are built before any test: a server a test starts in a
+    subprocess then finds them cached, and a build error shows first."""
+    cpu_kernels()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes ``isa`` runs once per level (those its isa_levels marker names)."""
+    if "isa" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("isa_levels")
+        metafunc.parametrize("isa", marker.args if marker else LEVEL_NAMES, indirect=True)
+
+
+@pytest.fixture
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test runs with this level's C++ ops; skipped only where this CPU cannot run it."""
+    name = request.param
+    missing = missing_flags(level(name))
+    if missing:
+        pytest.skip(f"this CPU cannot run level {name} (no {', '.join(missing)})")
+    with use_isa(name):
+        ISA_TESTS[name] = ISA_TESTS.get(name, 0) + 1
+        yield name
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line per ISA level: built (or not), and tested here or why not."""
+    for isa in LEVELS:
+        missing = missing_flags(isa)
+        ran = f"{ISA_TESTS.get(isa.name, 0)} tests ran with it" if not missing else \
+            f"not tested: this CPU cannot run it (no {', '.join(missing)})"
+        terminalreporter.write_line(f"C++ ops, level {isa.name}: {build_state(isa)}; {ran}")
+
 
 
 @pytest.fixture(scope="session")
@@ -148,15 +193,6 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[l
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@ same attention, and the engine gives the same tokens through either."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,27 +25,13 @@ from kvserve.model.attention import (
     kv_write_rows,
     paged_attention,
     rope_and_write_kv,
-    use_decode_kernel,
     use_prefill_kernel,
 )
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.llama import apply_rope
 
-needs_kernel = pytest.mark.skipif(not use_decode_kernel(torch.device("cpu")), reason="no C++ toolchain")
-
-
-@pytest.fixture(params=["amx", "avx512"])
-def bf16_prefill_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The bf16 prefill kernel's two paths: AMX tiles (oneDNN's brgemm, where the CPU has them)
-    and AVX512-BF16 dot products (every other AVX512-BF16 CPU), each tested where it can run."""
-    set_amx = cpu_op("set_amx")
-    if set_amx is None:
-        pytest.skip("no C++ kernels here")
-    if request.param == "amx" and not set_amx(True):
-        pytest.skip("no AMX here")
-    set_amx(request.param == "amx")
-    yield request.param
-    set_amx(True)
+# the prefill and cascade kernels are AVX-512 code (the other levels run gather + SDPA)
+prefill_levels = pytest.mark.isa_levels("avx512", "amx")
 
 
 def _write_index(slots: torch.Tensor, block_size: int, kv_heads: int) -> KVWriteIndex:
@@ -62,13 +48,12 @@ def _decode_group(block_tables: torch.Tensor, lens: torch.Tensor, block_size: in
     return AttentionGroup(0, len(lens), 1, block_tables, False, mask, lens, False, bias)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 # (64|128, group <= 8) take the AVX-512 path where the CPU has it; dim 32 and group 9 the portable one
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 32), (9, 1, 64), (4, 1, 256)])
 def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: int, heads: int, kv_heads: int,
-                                    dim: int) -> None:
+                                    dim: int, isa: str) -> None:
     torch.manual_seed(0)
     batch = 5
     lens = torch.tensor([1, 7, 33, 64, 150])
@@ -92,12 +77,11 @@ def test_kernel_matches_matmul_path(dtype: torch.dtype, tol: float, block_size: 
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16, 128])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 40), (5, 1, 256)])
 def test_float32_queries_over_a_16_bit_pool_are_float32_attention_over_its_values(
-        kind: torch.dtype, block_size: int, heads: int, kv_heads: int, dim: int) -> None:
+        kind: torch.dtype, block_size: int, heads: int, kv_heads: int, dim: int, isa: str) -> None:
     """A float32 model with --kv-cache-dtype bf16/fp16: decode takes the float kernel, which widens
     the 16-bit rows as it reads them, and must give float32 attention over the stored values, as
     a float32 pool holding the same values does (float32 rounding only)."""
@@ -122,8 +106,7 @@ def test_float32_queries_over_a_16_bit_pool_are_float32_attention_over_its_value
                                          dim**-0.5)
 
 
-@needs_kernel
-def test_kernel_calls_are_labelled_only_while_a_profiler_records() -> None:
+def test_kernel_calls_are_labelled_only_while_a_profiler_records(isa: str) -> None:
     """The benchmarks time attention by its kvserve:: label under torch.profiler; outside a
     profile no label is opened (record_function costs ~7 us a call even with no profiler)."""
     lens = torch.tensor([5, 20])
@@ -145,14 +128,14 @@ def test_kernel_calls_are_labelled_only_while_a_profiler_records() -> None:
         assert opened == ["kvserve::paged_decode_attention"]
 
 
-@needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 32, 128])
 # one sequence: a job per KV head; six: a job per sequence (two threads); long ones (K/V over half of
 # L2) prefetch the next job's keys in their value pass (NextKeys)
 @pytest.mark.parametrize("lengths", [(300,), (1, 15, 16, 17, 100, 300), (3000, 700, 15, 1800, 4100)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
 def test_bf16_decode_kernel_is_float32_attention_over_the_bf16_values(block_size: int, lengths: tuple[int, ...],
-                                                                      heads: int, kv_heads: int, dim: int) -> None:
+                                                                      heads: int, kv_heads: int, dim: int,
+                                                                      isa: str) -> None:
     """bf16 pools (the AVX512-BF16 one-pass path where the CPU has it): float32 attention over the
     stored bf16 values, rounded once to bf16 at the end, across chunk and block edges."""
     torch.manual_seed(1)
@@ -261,7 +244,6 @@ def _quantized_pool_attention(kind: str, block_size: int, heads: int, kv_heads: 
     return out.float(), expected
 
 
-@needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (7, 1, 64), (10, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize("kind", ["int8-static", "int8", "int4", "fp8_e4m3-static", "fp8_e5m2-static", "fp8_e4m3"])
@@ -269,7 +251,7 @@ def _quantized_pool_attention(kind: str, block_size: int, heads: int, kv_heads: 
 def test_quantized_decode_kernel_is_float32_attention_over_the_dequantized_pool(block_size: int, heads: int,
                                                                                 kv_heads: int, dim: int, kind: str,
                                                                                 dtype: torch.dtype,
-                                                                                tol: float) -> None:
+                                                                                tol: float, isa: str) -> None:
     """int8, int4 and fp8 pools (integer dot products on VNNI CPUs, bf16 ones for fp8 on
     AVX512-BF16 + VBMI CPUs): float32 attention over the values the codes and scales stand for;
     where scales are per block, each sequence's partial last block is read from its
@@ -283,23 +265,22 @@ def test_quantized_decode_kernel_is_float32_attention_over_the_dequantized_pool(
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", ["int8-static", "int4", "fp8_e4m3-static"])
-def test_quantized_decode_of_long_sequences(kind: str) -> None:
+def test_quantized_decode_of_long_sequences(kind: str, isa: str) -> None:
     """Sequences whose K/V is over half of L2 (here up to 6,000 tokens, 2.3 MB of int8) take the
     decode jobs that prefetch the next job's keys (NextKeys), mixed with short ones in one call."""
     out, expected = _quantized_pool_attention(kind, 16, 9, 3, 64, 1, torch.float32, (6000, 700, 2500, 15, 4100))
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
+@prefill_levels
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (10, 2, 128)])
 @pytest.mark.parametrize("kind", ["int8-static", "int8", "int4"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_integer_prefill_kernel_is_attention_over_the_dequantized_pool(block_size: int, heads: int, kv_heads: int,
                                                                        dim: int, kind: str, dtype: torch.dtype,
-                                                                       tol: float, bf16_prefill_path: str) -> None:
+                                                                       tol: float, isa: str) -> None:
     """Prefill chunks (5 queries per sequence after a cached prefix) over int8 and int4 pools:
     float32 queries through the float32 tile path, bf16 queries through the bf16 dot-product path
     over the rows dequantized to bf16 (to within bf16's rounding of keys, values, weights and
@@ -308,13 +289,13 @@ def test_integer_prefill_kernel_is_attention_over_the_dequantized_pool(block_siz
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32), reason="no AVX-512 prefill kernel here")
+@prefill_levels
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("cached", [False, True])  # True: each chunk follows a prefix already in the pool
 def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_size: int, heads: int,
-                                          kv_heads: int, dim: int, cached: bool, bf16_prefill_path: str) -> None:
+                                          kv_heads: int, dim: int, cached: bool, isa: str) -> None:
     torch.manual_seed(2)
     query_len = 7
     lens = torch.tensor([7, 30, 100]) if cached else torch.full((3,), query_len)
@@ -338,16 +319,12 @@ def test_prefill_kernel_matches_sdpa_path(dtype: torch.dtype, tol: float, block_
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-needs_prefill_kernel = pytest.mark.skipif(not use_prefill_kernel("cpu", 64, torch.float32),
-                                          reason="no AVX-512 prefill kernel here")
-
-
-@needs_prefill_kernel
+@prefill_levels
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("sharpness", [1.0, 30.0])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128)])
 def test_prefill_kernel_over_long_sequences(dtype: torch.dtype, tol: float, sharpness: float, heads: int,
-                                            kv_heads: int, dim: int, bf16_prefill_path: str) -> None:
+                                            kv_heads: int, dim: int, isa: str) -> None:
     """Chunks of 40 queries after 660 and 293 cached tokens, against softmax attention in
     float64 over the same pool: several of the AMX kernel's 256-key chunks, query tiles whose
     rows see different numbers of keys, and (sharpness 30) attention so peaked that a row's
@@ -374,14 +351,13 @@ def test_prefill_kernel_over_long_sequences(dtype: torch.dtype, tol: float, shar
         torch.testing.assert_close(out[b * query_len : (b + 1) * query_len].double(), expected, atol=tol, rtol=tol)
 
 
-@needs_kernel
-@needs_prefill_kernel
+@prefill_levels
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("query_len", [1, 5])  # decode, prefill chunks
 def test_cascade_matches_the_kernels(dtype: torch.dtype, tol: float, block_size: int, heads: int, kv_heads: int,
-                                     dim: int, query_len: int, bf16_prefill_path: str) -> None:
+                                     dim: int, query_len: int, isa: str) -> None:
     """Six sequences over one shared prefix of 1-4 blocks plus 1-70 tokens of their own, the
     last query_len of them queries: the shared part read once (non-causal prefill kernel) merged
     with each sequence's own (decode kernel, or the causal prefill kernel) by their log-sum-exps
@@ -407,9 +383,9 @@ def test_cascade_matches_the_kernels(dtype: torch.dtype, tol: float, block_size:
         torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-@needs_prefill_kernel
+@prefill_levels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_full_prefill_kernel_and_its_log_sum_exps(dtype: torch.dtype, bf16_prefill_path: str) -> None:
+def test_full_prefill_kernel_and_its_log_sum_exps(dtype: torch.dtype, isa: str) -> None:
     """causal=False: every query row sees all the sequence's keys; lse is each row's
     log-sum-exp of its scaled scores (what merging partial softmaxes needs)."""
     torch.manual_seed(4)
@@ -428,10 +404,9 @@ def test_full_prefill_kernel_and_its_log_sum_exps(dtype: torch.dtype, bf16_prefi
     torch.testing.assert_close(out.float(), (scores.softmax(-1) @ v).transpose(0, 1), atol=tol, rtol=tol)
 
 
-@needs_kernel
-@needs_prefill_kernel
+@prefill_levels
 def test_engine_cascade_same_tokens_and_taken(tiny_model_factory: Callable[..., Path],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
     """Sixteen requests on one 800-token prompt prefix (a system prompt, cached: 16 x 800 tokens
     pass the cascade's threshold) prefill their own 5 tokens and decode through the cascade —
     both counted — with the same greedy tokens as with --disable-cascade-attn."""
@@ -455,8 +430,7 @@ def test_engine_cascade_same_tokens_and_taken(tiny_model_factory: Callable[..., 
     assert results[0] == results[1]
 
 
-@needs_kernel
-def test_engine_tokens_same_with_and_without_kernel(tiny_model_factory: Callable[..., Path]) -> None:
+def test_engine_tokens_same_with_and_without_kernel(tiny_model_factory: Callable[..., Path], isa: str) -> None:
     # head_dim 64, which the prefill kernel serves; chunks of 40 make cached-prefix prefills too
     path = str(tiny_model_factory("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
     prompts = [[5] * 3, list(range(1, 90)), [9, 8, 7, 6]]
@@ -472,10 +446,9 @@ def test_engine_tokens_same_with_and_without_kernel(tiny_model_factory: Callable
     assert results[0] == results[1]
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                               (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
-def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype, pool_dtype: torch.dtype) -> None:
+def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype, pool_dtype: torch.dtype, isa: str) -> None:
     """Rotary then the cache write, as the torch path does them; a float32 model's K/V rounded
     into a bf16/float16 pool as torch's cast rounds them."""
     torch.manual_seed(1)
@@ -501,9 +474,8 @@ def test_fused_rope_and_cache_write_matches_torch(dtype: torch.dtype, pool_dtype
         cpu_op("rope_and_write_kv")(qkv.clone(), cos, signed_sin, pool, slots[:-1], heads)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 40)])
-def test_fused_rope_and_int8_write_quantizes_as_torch_does(dtype: torch.dtype, dim: int) -> None:
+def test_fused_rope_and_int8_write_quantizes_as_torch_does(dtype: torch.dtype, dim: int, isa: str) -> None:
     """Into an int8 pool with static key scales, the fused op stores what the torch path stores
     for the keys it rotated: the same codes, value scales and clip count (scales small enough
     that some keys clip; head_dim 40 ends past the last 16 lanes). Pools it does not serve
@@ -544,11 +516,10 @@ def test_fused_rope_and_int8_write_quantizes_as_torch_does(dtype: torch.dtype, d
         assert torch.equal(other.data, before) and torch.equal(untouched, qkv)
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_and_tail_write_in_a_prefill_chunk_stores_what_torch_does(kind: str,
-                                                                             dtype: torch.dtype) -> None:
+                                                                             dtype: torch.dtype, isa: str) -> None:
     """A prefill chunk into a pool with tail slots (int4; int8 with per-block key scales): the
     fused op rotates the tokens into a row each, then the tail moves and the blocks that fill go
     through the C++ quantizer. Pool codes, scales and tail rows equal the torch path's

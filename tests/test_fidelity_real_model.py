@@ -53,12 +53,21 @@ def _check(llm: LLM, workload: Any) -> None:
     assert stats.blocks_used == 0 and stats.live_tokens == 0  # everything reclaimed
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_greedy_matches_hf(smollm: LoadedModel, workload: Any, block_size: int) -> None:
+def _check_greedy(smollm: LoadedModel, workload: Any, block_size: int) -> None:
     llm = LLM(loaded=smollm, block_size=block_size, kv_cache_memory="256MiB", max_num_seqs=16,
               max_num_batched_tokens=256)  # < the long prompt: chunked prefill alongside decodes
     _check(llm, workload)
     assert llm.kv_stats().num_preemptions == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 256])
+def test_greedy_matches_hf(smollm: LoadedModel, workload: Any, block_size: int) -> None:
+    _check_greedy(smollm, workload, block_size)
+
+
+def test_greedy_matches_hf_at_every_isa_level(smollm: LoadedModel, workload: Any, isa: str) -> None:
+    """Each build of the C++ ops (portable, avx2, avx512, amx) gives HF's greedy tokens."""
+    _check_greedy(smollm, workload, 16)
 
 
 def test_greedy_matches_hf_under_preemption(smollm: LoadedModel, workload: Any) -> None:

@@ -119,6 +119,18 @@ def test_metrics_move(server: dict[str, Any]) -> None:
     assert metric(base, "kvserve:kv_cache_clip_ratio") == 0.0  # a full-precision cache clips nothing
 
 
+def test_metrics_and_kv_name_the_cpu_ops_level(server: dict[str, Any]) -> None:
+    """An operator sees which build of the C++ ops runs (here the best this CPU runs)."""
+    from kvserve.model.cpu_kernels import active_isa, selected_level
+
+    level = selected_level()
+    assert level is not None and active_isa() == level.name
+    text = httpx.get(server["base"] + "/metrics").text
+    assert f'kvserve:cpu_ops_info{{isa="{level.name}"}} 1.0' in text
+    kv = httpx.get(server["base"] + "/v1/kv", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert kv["cpu_ops_isa"] == level.name
+
+
 def test_client_disconnect_frees_blocks(server: dict[str, Any]) -> None:
     base = server["base"]
     body = {"model": MODEL, "prompt": "Write a very long story about a lighthouse.", "max_tokens": 400,

@@ -75,13 +75,15 @@ def use_decode_kernel(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_op("paged_decode_attention") is not None
 
 
-@functools.cache
 def use_prefill_kernel(device_type: str, head_dim: int, dtype: torch.dtype) -> bool:
     """Prefill groups use the C++ kernel on CPU where it has a vector path for this head size
     and dtype (it says so by running: a one-token probe)."""
     op = cpu_op("paged_prefill_attention")
-    if device_type != "cpu" or op is None:
-        return False
+    return device_type == "cpu" and op is not None and _prefill_kernel_runs(op, head_dim, dtype)
+
+
+@functools.cache  # by the op itself: each ISA level's build answers for itself
+def _prefill_kernel_runs(op: Callable[..., bool], head_dim: int, dtype: torch.dtype) -> bool:
     query = torch.zeros(1, 1, head_dim, dtype=dtype)
     pool = torch.zeros(2, 2, 1, head_dim, dtype=dtype)
     return bool(op(torch.empty_like(query), query, pool, torch.ones(1, 1, dtype=torch.long),

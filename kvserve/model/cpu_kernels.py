@@ -1,94 +1,128 @@
 """The C++ CPU ops of csrc/ (paged attention over float and quantized pools, rotary + cache
-write, residual add + RMSNorm, SwiGLU's silu-and-mul, int8 linear layers), compiled on first use.
+write, residual add + RMSNorm, SwiGLU's silu-and-mul, int8 and bf16 linear layers), at the best
+instruction-set level this CPU runs.
 
-Compiled with torch's cpp_extension (needs a C++ compiler and ninja; cached under
-~/.cache/torch_extensions). If the build fails, or KVSERVE_NO_CPU_KERNEL=1 is set, callers fall
-back to torch ops (gather + batched matmuls, index_copy_ for the cache write, F.rms_norm, F.silu).
+Each level (portable, avx2, avx512, amx: kvserve.model.cpu_build) is its own build, compiled on
+first use and cached. ``KVSERVE_ISA=<level>`` caps the level (never above what the CPU runs);
+``KVSERVE_NO_CPU_KERNEL=1`` runs the torch ops on purpose (gather + matmuls for attention,
+index_copy_ for the cache write, F.rms_norm, F.silu). A build that fails is reported once, with
+its log, and the engine runs the torch ops; ``active_isa()`` names what runs ("torch" then), and
+the server reports it on /metrics and /v1/kv.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import logging
 import os
-import platform
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvserve.model.cpu_build import LEVELS, CpuOpsBuildError, IsaLevel, build, level
+
 logger = logging.getLogger("kvserve")
-_MODULE: Any = None
-STALE_LOCK_S = 600
-_TRIED = False
+TORCH_ONLY = "torch"  # active_isa() where no build of the ops runs
+_LOADED: dict[str, Any] = {}  # level name -> its module, once imported
+_ACTIVE: list[Any] = []  # [the module cpu_op reads] once chosen; [None]: torch ops
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+def missing_flags(isa: IsaLevel) -> list[str]:
+    """The CPU flags ``isa`` needs that this CPU lacks (none: it runs here)."""
+    return sorted(isa.cpu_flags - cpu_flags())
+
+
+def runnable_levels() -> list[IsaLevel]:
+    """The levels this CPU runs, lowest first."""
+    return [isa for isa in LEVELS if not missing_flags(isa)]
+
+
+def selected_level() -> IsaLevel | None:
+    """The level to run: the best this CPU runs, capped by KVSERVE_ISA; None with
+    KVSERVE_NO_CPU_KERNEL=1 (torch ops on purpose)."""
+    if os.environ.get("KVSERVE_NO_CPU_KERNEL") == "1":
+        return None
+    runnable = runnable_levels()
+    cap = os.environ.get("KVSERVE_ISA")
+    if not cap:
+        return runnable[-1]
+    try:
+        ceiling = LEVELS.index(level(cap))
+    except ValueError as exc:
+        raise ValueError(f"KVSERVE_ISA: {exc}") from None
+    return [isa for isa in runnable if LEVELS.index(isa) <= ceiling][-1]
+
+
+def load_level(isa: IsaLevel) -> Any:
+    """The module of ``isa``'s build (built first where not cached). Raises CpuOpsBuildError where
+    it does not build, RuntimeError where this CPU cannot run it."""
+    if isa.name not in _LOADED:
+        missing = missing_flags(isa)
+        if missing:
+            raise RuntimeError(f"this CPU cannot run the {isa.name} build of the ops (no {', '.join(missing)})")
+        path = build(isa)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LOADED[isa.name] = module
+    return _LOADED[isa.name]
+
+
+def cpu_kernels() -> Any | None:
+    """The module of the selected level (loaded on first call), or None where the torch ops run."""
+    if not _ACTIVE:
+        isa = selected_level()
+        module = None
+        if isa is not None:
+            logger.info("loading the %s build of the C++ CPU ops (compiled once, then cached)", isa.name)
+            try:
+                module = load_level(isa)
+            except (CpuOpsBuildError, OSError, ImportError) as exc:
+                logger.warning("the C++ CPU ops are unavailable, so the slower torch ops run instead: %s", exc)
+        _ACTIVE.append(module)
+    return _ACTIVE[0]
+
+
+def active_isa() -> str:
+    """The level whose ops run (portable, avx2, avx512, amx), or "torch" where none does."""
+    module = cpu_kernels()
+    return next((name for name, loaded in _LOADED.items() if loaded is module), TORCH_ONLY)
+
+
+def ops_isa(device: torch.device) -> str:
+    """What an engine on ``device`` runs its ops with: the C++ level on CPU ("torch" where none
+    runs there), "none" on other devices (the CPU ops are not theirs)."""
+    return active_isa() if device.type == "cpu" else "none"
 
 
 def cpu_op(name: str) -> Any | None:
-    """The compiled op ``name`` (paged_decode_attention, rope_and_write_kv, add_rms_norm,
-    silu_and_mul), or None where the extension is unavailable."""
+    """The compiled op ``name`` (paged_decode_attention, rope_and_write_kv, add_rms_norm, ...) of
+    the running level, or None where the torch ops run."""
     module = cpu_kernels()
     return None if module is None else getattr(module, name)
 
 
-def _cpu_fingerprint() -> str:
-    """Short hash of this CPU's model and feature flags. The ops are built with -march=native, so
-    a build cached for one CPU must not be loaded on another (illegal instructions)."""
-    text = platform.machine()
+@contextmanager
+def use_isa(name: str) -> Iterator[Any]:
+    """Run level ``name``'s ops inside the block (tests and benchmarks compare levels in one
+    process). Ops already looked up keep their level: build models inside the block."""
+    module = load_level(level(name))
+    previous = cpu_kernels()
+    _ACTIVE[0] = module
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                text += line
-            if line.startswith("flags"):
-                break
-    except OSError:
-        text += platform.processor()
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def _remove_stale_build_lock(name: str) -> None:
-    """torch waits forever on a build lock left by a process killed mid-compile; a build takes
-    about a minute, so a lock older than STALE_LOCK_S is removed (with a warning)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logger.warning("removing a stale C++ build lock %s (left by an interrupted build)", lock)
-            lock.unlink()
-    except (ImportError, OSError):  # a private torch helper: never let it stop the engine
-        pass
-
-
-def cpu_kernels() -> Any | None:
-    """The compiled extension module (built on first call), or None where it cannot be built."""
-    global _MODULE, _TRIED
-    if _TRIED:
-        return _MODULE
-    _TRIED = True
-    if os.environ.get("KVSERVE_NO_CPU_KERNEL") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        folder = Path(__file__).with_name("csrc")
-        sources = sorted(folder.glob("*.cpp"))
-        logger.info("loading the C++ CPU ops (compiled once, then cached)")
-        # the sources' path and content (headers included) in the name: a changed source or another
-        # checkout builds beside, never over, a library another running process has loaded (and two
-        # checkouts do not rebuild each other's)
-        digest = hashlib.sha256(str(folder.resolve()).encode())
-        for file in sorted(folder.glob("*.[ch]*")):
-            digest.update(file.name.encode() + file.read_bytes())
-        name = f"kvserve_cpu_ops_{_cpu_fingerprint()}_{digest.hexdigest()[:8]}"
-        _remove_stale_build_lock(name)
-        module = load(
-            name=name,
-            sources=[str(source) for source in sources],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-        _MODULE = module
-    except Exception as exc:  # a missing compiler must not stop the engine
-        logger.warning("C++ CPU ops unavailable (%s); using torch ops (gather path for attention)", exc)
-        _MODULE = None
-    return _MODULE
+        yield module
+    finally:
+        _ACTIVE[0] = previous

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvserve.cache.kv_stats import SpecDecodeStats
 from kvserve.engine.engine import RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.model.cpu_kernels import ops_isa
 from kvserve.server.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
@@ -220,7 +221,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "groups": [asdict(g) for g in s.groups], "per_request_blocks": s.per_request_blocks,
                 "spec_decode": _spec_decode_json(s.spec_decode),
                 "evicted_tokens": s.evicted_tokens, "evicted_tokens_now": s.evicted_tokens_now,
-                "evicted_bytes_now": s.evicted_bytes_now, "kept_ratio": s.kept_ratio}
+                "evicted_bytes_now": s.evicted_bytes_now, "kept_ratio": s.kept_ratio,
+                "cpu_ops_isa": ops_isa(engine.engine.device)}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:

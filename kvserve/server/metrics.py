@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvserve.cache.kv_stats import KVGroupStats, SpecDecodeStats
 from kvserve.cache.kv_tiers import TierStats
 from kvserve.engine.engine import RequestOutput
+from kvserve.model.cpu_kernels import ops_isa
 from kvserve.tune.drift import LiveWorkload, TunedWorkload, drifts
 
 if TYPE_CHECKING:
@@ -66,6 +67,10 @@ class _PoolCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
+        ops = GaugeMetricFamily("kvserve:cpu_ops_info", "The C++ CPU ops' instruction-set level that runs: portable, "
+                                "avx2, avx512 or amx; torch where none does (slower); none off CPU", labels=["isa"])
+        ops.add_metric([ops_isa(engine.engine.device)], 1)
+        yield ops
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", cache.queries),
             "prefix_cache_hits": ("Prompt tokens served from the prefix cache", cache.hits),
