@@ -93,7 +93,7 @@ def main() -> None:
             linear = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             bf16.append(PackedLinear(linear))
             int8.append(Int8Linear(linear))
-    if int8[0].vnni_packed is None:
+    if int8[0].kernel_packed is None:
         raise SystemExit("no VNNI int8 GEMM in this build")
     results = []
     print("| rows | bf16 ms | bf16 GFLOP/s (of peak) | int8 ms | int8 GOP/s (of peak) | int8 / bf16 time |")

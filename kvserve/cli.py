@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="int8: linear layers in int8 (weights per output channel, activations per token at run "
-                        "time, int32 sums; VNNI dot products on CPU); default: the model dtype")
+                        "time, exact int32 sums on every CPU level); default: the model dtype")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block, power of two 1..256")
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (overrides utilization)")

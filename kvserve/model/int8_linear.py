@@ -4,12 +4,13 @@ token's activations quantized to int8 at run time, int32 products.
 weight[n, k] ~ codes[n, k] * weight_scale[n] (symmetric, scale = max|row| / 127) and
 x[t, k] ~ x_codes[t, k] * x_scale[t] (the same, per token, at every call), so
 x @ weight.T ~ (x_codes @ codes.T) * x_scale[t] * weight_scale[n]: one int8 GEMM with int32 sums
-(VNNI dot products: four multiply-adds per 32-bit lane where AVX512-BF16 does two), then one
-rescale. On CPUs with AVX512-VNNI the whole layer is one C++ call (``int8_linear`` in
-csrc/layers.cpp, on a weight packed once for it); on other CPUs oneDNN's quantized linear does
-the GEMM on its own packed weight; elsewhere torch's int8 matmul. Without VNNI (AVX2) oneDNN
-adds pairs of u8 x s8 products in int16 with saturation, so there the weight codes are 7-bit
-(+-63: 2 x 255 x 63 < 2**15) and the sums stay exact (``_onednn_weight_max``). Per-token
+then one rescale. Where kvserve's C++ ops run on x86-64 (the avx512, avx2 and portable builds)
+the whole layer is one C++ call (``int8_linear`` in csrc/layers.cpp, on a weight packed once for
+it): VNNI dot products with AVX512-VNNI, 16-bit products added in pairs below it, both with exact
+int32 sums of 8-bit codes. In the amx build oneDNN's quantized linear does the GEMM on its own
+packed weight (in AMX tiles); elsewhere torch's int8 matmul. oneDNN without VNNI adds pairs of
+u8 x s8 products in int16 with saturation, so there its weight codes are 7-bit (+-63: 2 x 255 x
+63 < 2**15) and the sums stay exact (``_onednn_weight_max``). Per-token
 activation scales follow each token's own range (a per-tensor scale is set by the largest token
 of the batch, e.g. the first token's outliers).
 
@@ -126,10 +127,11 @@ def _onednn_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-def _vnni_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+def _kernel_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """(packed weight, 128 * its channel sums, padded scales) for the C++ int8_linear, or None where
-    the extension or the CPU's AVX512-VNNI is missing (or in_features % 4 != 0). Measured at batch
-    32 over 30 layers of SmolLM2's shapes: 1.5x faster than oneDNN's quantized linear."""
+    the running build has no int8 GEMM (the amx build, the torch ops) or in_features does not
+    divide into its words. The VNNI kernel measured at batch 32 over 30 layers of SmolLM2's shapes:
+    1.5x faster than oneDNN's quantized linear."""
     op = cpu_op("int8_gemm_pack")
     packed = op(codes, scales) if op is not None else []
     return tuple(packed) if packed else None
@@ -138,9 +140,9 @@ def _vnni_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
 class Int8Linear(nn.Module):
     """nn.Linear's forward in W8A8 (see the module docstring). Output in the input's dtype."""
 
-    vnni_packed: torch.Tensor | None  # the C++ kernel's packed weight (CPUs with AVX512-VNNI)
-    vnni_comp: torch.Tensor | None
-    vnni_bias: torch.Tensor | None
+    kernel_packed: torch.Tensor | None  # the C++ int8 GEMM's packed weight
+    kernel_comp: torch.Tensor | None
+    kernel_bias: torch.Tensor | None
     packed: torch.Tensor | None  # oneDNN's packed weight (other CPUs)
     codes: torch.Tensor | None  # int8 [out, in] where neither packed form is available
     weight_scale: torch.Tensor
@@ -155,29 +157,29 @@ class Int8Linear(nn.Module):
         if rotation is not None:
             weight = rotate_rows(weight, rotation) / rotation.shape[0]
         codes, scales = quantize_rows(weight)
-        vnni = _vnni_pack(codes, scales) if on_cpu else None
-        onednn_max = _onednn_weight_max() if on_cpu and vnni is None else None
+        kernel = _kernel_pack(codes, scales) if on_cpu else None
+        onednn_max = _onednn_weight_max() if on_cpu and kernel is None else None
         self.weight_max = 127 if onednn_max is None else onednn_max  # the weight codes' range
         if self.weight_max != 127:
             codes, scales = quantize_rows(weight, max_code=self.weight_max)
-        # the VNNI kernel's padded weight scales replace the per-channel ones it would not use
-        self.register_buffer("vnni_packed", None if vnni is None else vnni[0])
-        self.register_buffer("vnni_comp", None if vnni is None else vnni[1])
+        # the C++ kernel's padded weight scales replace the per-channel ones it would not use
+        self.register_buffer("kernel_packed", None if kernel is None else kernel[0])
+        self.register_buffer("kernel_comp", None if kernel is None else kernel[1])
         # its bias in float32, padded like the scales: once here rather than at every call
-        self.register_buffer("vnni_bias", None if vnni is None or linear.bias is None else
-                             nn.functional.pad(linear.bias.detach().float(), (0, vnni[2].numel() - self.out_features)))
+        self.register_buffer("kernel_bias", None if kernel is None or linear.bias is None else nn.functional.pad(
+            linear.bias.detach().float(), (0, kernel[2].numel() - self.out_features)))
         packed = _onednn_pack(codes) if onednn_max is not None else None
-        self.register_buffer("codes", codes if vnni is None and packed is None else None)
+        self.register_buffer("codes", codes if kernel is None and packed is None else None)
         self.register_buffer("packed", packed)
-        self.register_buffer("weight_scale", scales if vnni is None else vnni[2])
+        self.register_buffer("weight_scale", scales if kernel is None else kernel[2])
         self.register_buffer("zero_points", None if packed is None else
                              torch.zeros(self.out_features, dtype=torch.long, device=codes.device))
         self.bias = linear.bias
         self.gated = False  # fuse_silu: the output is silu(gate) * up [.., out_features / 2]
         self._out_dtype = _onednn_out_dtype(linear.weight.dtype)
         # the ops looked up once: a decode step makes ~120 of these calls, Python costs show
-        self._linear = cpu_op("int8_linear") if vnni is not None else None
-        self._linear_after_norm: Any = cpu_op("int8_linear_after_norm") if vnni is not None else None
+        self._linear = cpu_op("int8_linear") if kernel is not None else None
+        self._linear_after_norm: Any = cpu_op("int8_linear_after_norm") if kernel is not None else None
         # hadamard_block's (shared, not a buffer), with rotate_input: the C++ op turns the rows
         # itself, the other paths before quantizing (rotate_rows)
         self.rotation = rotation
@@ -186,18 +188,18 @@ class Int8Linear(nn.Module):
         self._scale_ = (cpu_op("scale_rows_") if on_cpu else None) or _scale_rows_torch_
 
     def movable_weights(self) -> tuple[str, ...]:
-        """The weight buffers huge_pages.weights_on_huge_pages may move: the VNNI kernel's."""
-        return ("vnni_packed",) if self._linear is not None else ()
+        """The weight buffers huge_pages.weights_on_huge_pages may move: the C++ kernel's."""
+        return ("kernel_packed",) if self._linear is not None else ()
 
     def bind_weights(self) -> None:
         """Read the C++ op's weight arguments once (each buffer read through nn.Module costs ~0.5
         us a call); again after weights_on_huge_pages moved them."""
-        self._linear_args = (self.vnni_packed, self.vnni_comp, self.weight_scale, self.out_features, self.vnni_bias,
-                             1 if self.rotation is None else self.rotation.shape[0], self.gated)
+        self._linear_args = (self.kernel_packed, self.kernel_comp, self.weight_scale, self.out_features,
+                             self.kernel_bias, 1 if self.rotation is None else self.rotation.shape[0], self.gated)
         self._after_norm_args = (*self._linear_args[:5], self.gated)  # the same, less the turn block
 
     def takes_residual(self) -> bool:
-        """Whether forward_after_norm can run: the VNNI kernel, no run-time turn of the input."""
+        """Whether forward_after_norm can run: the C++ kernel, no run-time turn of the input."""
         return self._linear_after_norm is not None and self.rotation is None
 
     def forward_after_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -207,11 +209,11 @@ class Int8Linear(nn.Module):
         return self._linear_after_norm(residual, delta, eps, *self._after_norm_args)
 
     def fuse_silu(self) -> bool:
-        """As PackedLinear.fuse_silu, in the VNNI kernel (its packed groups, channel terms,
+        """As PackedLinear.fuse_silu, in the C++ kernel (its packed groups, channel terms,
         scales and bias regrouped); False without it."""
         if self._linear is None or self.out_features % 32 != 0:
             return False
-        for name in ("vnni_packed", "vnni_comp", "weight_scale", "vnni_bias"):
+        for name in ("kernel_packed", "kernel_comp", "weight_scale", "kernel_bias"):
             if getattr(self, name) is not None:
                 setattr(self, name, interleave_gate_up(getattr(self, name), self.out_features))
         self.gated = True
@@ -233,8 +235,8 @@ class Int8Linear(nn.Module):
             return shaped_like_input(out if out.dtype == x.dtype else out.to(x.dtype), x)
         assert self.codes is not None
         x_codes, x_scales = self._quantize(rows.contiguous(), False)
-        # both scales in float32, rounded once into the model dtype (as the VNNI kernel does): this
-        # is the path of CPUs without VNNI, where rounding twice in bf16 showed in greedy outputs
+        # both scales in float32, rounded once into the model dtype (as the C++ kernel does):
+        # rounding twice in bf16 showed in greedy outputs
         sums = int8_matmul(x_codes, self.codes).float().mul_(x_scales[:, None] * self.weight_scale)
         if self.bias is not None:
             sums.add_(self.bias.detach())
@@ -296,7 +298,7 @@ def quantize_linears(model: nn.Module, method: str, skip: tuple[nn.Module, ...] 
     for (parent, name, _), layer in zip(swaps, layers, strict=True):
         setattr(parent, name, layer)
     if any(layer.codes is not None and layer.codes.device.type == "cpu" for layer in layers):
-        logger.warning("--quantization int8: no exact fast int8 GEMM here (no AVX512-VNNI, and this torch build "
-                       "has no oneDNN quantized linear), so the layers run on torch._int_mm, many times slower than "
-                       "the float model (~25x per layer on an AVX2 Zen 3); the results are exact")
+        logger.warning("--quantization int8: no exact fast int8 GEMM here (no kvserve C++ int8 GEMM, and this "
+                       "torch build has no oneDNN quantized linear), so the layers run on torch._int_mm, many times "
+                       "slower than the float model (~25x per layer on an AVX2 Zen 3); the results are exact")
     return len(swaps)

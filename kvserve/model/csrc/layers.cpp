@@ -4,6 +4,9 @@
 // int8_linear (+ int8_gemm_pack): a W8A8 linear layer in one call, VNNI int8 GEMM;
 // quantize_rows_int8 / scale_rows_: the two ends of one where oneDNN does the GEMM.
 #include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // the pairs kernel's SSE2 at the portable level
+#endif
 
 #include "common.h"
 #include "ops.h"
@@ -72,6 +75,20 @@ static inline __m512 silu_mul16(__m512 gate, __m512 up) {
 }
 #endif
 
+// g[i] = silu(g[i]) * u[i] for i < n, in float32.
+static inline void silu_mul_rows(float* g, const float* u, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(g + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
+  }
+#else
+  // the same cap as above: without AVX-512 (measured on a Zen 3) gate = -100 gave NaN
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];
+#endif
+}
+
 template <typename T>
 static void silu_and_mul_kernel(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
   at::parallel_for(0, tokens, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
@@ -79,17 +96,7 @@ static void silu_and_mul_kernel(const T* gate_up, T* out, int64_t tokens, int64_
     for (int64_t t = begin; t < end; ++t) {
       to_float(gate_up + t * 2 * inter, g.data(), inter);
       to_float(gate_up + t * 2 * inter + inter, u.data(), inter);
-#if defined(__AVX512F__)
-      for (int64_t i = 0; i < inter; i += 16) {
-        const __mmask16 m = tail_mask(inter - i);
-        _mm512_mask_storeu_ps(g.data() + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, g.data() + i),
-                                                         _mm512_maskz_loadu_ps(m, u.data() + i)));
-      }
-#else
-      // the same cap as above: without AVX-512 (measured on a Zen 3) gate = -100 gave NaN
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];
-#endif
+      silu_mul_rows(g.data(), u.data(), inter);
       from_float(g.data(), out + t * inter, inter);
     }
   });
@@ -149,9 +156,10 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 // ---------------------------------------------------------------------------------------------
 // int8 linear layers (W8A8, kvserve.model.int8_linear): activations are quantized per row
-// (token) here; with AVX512-VNNI the whole layer is int8_linear below (quantize, int8 GEMM,
-// rescale in one call); elsewhere the codes go to oneDNN (which applies the output channels'
-// scales) and the products are scaled back here by each row's scale.
+// (token) here; with kvserve's int8 GEMM (VNNI in the avx512 build, 16-bit pairs in the avx2 and
+// portable ones) the whole layer is int8_linear below (quantize, int8 GEMM, rescale in one
+// call); in the amx build the codes go to oneDNN (which applies the output channels' scales) and
+// the products are scaled back here by each row's scale.
 
 #if defined(__AVX512F__)
 // One Walsh-Hadamard butterfly stage inside a 16-lane vector: lanes i and i ^ S become
@@ -305,7 +313,7 @@ static void quantize_row_range(const T* x, uint8_t* codes, float* scales, int64_
 // own and 1 / rms(row) goes into the row's scale.
 template <typename T>
 static void add_norm_quantize_row_range(T* residual, const T* delta, uint8_t* codes, float* scales, int64_t begin,
-                                        int64_t end, int64_t cols, float eps) {
+                                        int64_t end, int64_t cols, float eps, bool offset) {
   std::vector<float> f(cols), d(cols);
   for (int64_t r = begin; r < end; ++r) {
     T* res = residual + r * cols;
@@ -317,7 +325,7 @@ static void add_norm_quantize_row_range(T* residual, const T* delta, uint8_t* co
       amax = std::max(amax, std::fabs(f[i]));
       sum += f[i] * f[i];
     }
-    scales[r] = store_row_codes(f.data(), amax, codes + r * cols, cols, 0x80) /
+    scales[r] = store_row_codes(f.data(), amax, codes + r * cols, cols, offset ? 0x80 : 0) /
                 std::sqrt(sum / static_cast<float>(cols) + eps);
   }
 }
@@ -375,6 +383,27 @@ void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch:
     scale_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), row_scales.data_ptr<float>(),
                                 bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, x.size(0), x.size(1));
   });
+}
+
+// A GEMM's one parallel region over weights packed by groups of 16 output channels: each thread
+// first runs prologue(row_begin, row_end) on its share of the m rows (an int8 layer quantizes its
+// activations there), waits for the others, then runs body(group_begin, group_end) on its
+// consecutive groups (whole (gate, up) pairs when gated). One region rather than two
+// parallel_for calls: at decode sizes a layer is ~50-200 us and the second fork/join and a
+// one-thread quantization showed.
+template <typename Prologue, typename Body>
+static void parallel_gemm(int64_t m, int64_t groups, bool gated, const Prologue& prologue, const Body& body) {
+  // at least one thread: num_threads(0) is not valid OpenMP (a layer with no outputs still quantizes its rows)
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::clamp<int64_t>(groups, 1, at::get_num_threads()));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    prologue(m * thread / team, m * (thread + 1) / team);
+#pragma omp barrier
+    const int64_t pair = gated ? 2 : 1;
+    const int64_t chunk = ((groups + team - 1) / team + pair - 1) / pair * pair;
+    body(std::min(groups, thread * chunk), std::min(groups, (thread + 1) * chunk));
+  }
 }
 
 #if defined(__AVX512F__)
@@ -467,7 +496,7 @@ __attribute__((always_inline)) static inline void store_any_tile(T* out, int64_t
 }
 #endif
 
-// The int8 GEMM of those layers where the CPU has AVX512-VNNI (oneDNN's otherwise): vpdpbusd
+// The int8 GEMM of those layers where the CPU has AVX512-VNNI (the pairs kernel below on AVX2): vpdpbusd
 // multiplies 4 unsigned activation bytes (code + 128) by 4 signed weight bytes per 32-bit lane,
 // so the weight is packed as [groups of 16 output channels][k / 4][16][4] bytes (one 64-byte
 // load = 16 channels x 4 k) and 128 * sum_k w[n][k] is subtracted per channel at the end. A
@@ -542,29 +571,16 @@ static void gemm_panel(const typename Tile::Args& a, int64_t group, T* out, cons
   }
 }
 
-// A GEMM over weights packed by groups of 16 output channels, in one parallel region: each
-// thread first runs prologue(row_begin, row_end) on its share of the rows (the int8 layer
-// quantizes its activations there), waits for the others, then owns consecutive groups and goes
-// through them in panels of up to 4. One region rather than two parallel_for calls: at decode
-// sizes a layer is ~50-200 us and the second fork/join and a one-thread quantization showed.
+// A GEMM over weights packed by groups of 16 output channels (parallel_gemm): each thread goes
+// through its groups in panels of up to 4.
 // Groups in the panel that starts at group g of a thread's range [.., end): up to 4 (0 past the
 // end); even wherever the range's length is (a gated layer's).
 static inline int64_t panel_groups(int64_t g, int64_t end) { return std::clamp<int64_t>(end - g, 0, 4); }
 
 template <typename Tile, typename T, typename Prologue>
 static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& prologue) {
-  const int64_t groups = (a.n + 15) / 16;
-  // at least one thread: num_threads(0) is not valid OpenMP (a layer with no outputs still quantizes its rows)
-  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::clamp<int64_t>(groups, 1, at::get_num_threads()));
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-    prologue(a.m * thread / team, a.m * (thread + 1) / team);
-#pragma omp barrier
-    const int64_t pair = a.gated ? 2 : 1;  // gated: each thread's groups are whole (gate, up) pairs
-    const int64_t chunk = ((groups + team - 1) / team + pair - 1) / pair * pair;
-    const int64_t end = std::min(groups, (thread + 1) * chunk);
-    for (int64_t g = thread * chunk; g < end;) {
+  parallel_gemm(a.m, (a.n + 15) / 16, a.gated, prologue, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end;) {
       const int64_t nr = panel_groups(g, end);
       const void* next = g + nr < end ? Tile::group_start(a, g + nr) : nullptr;
       const int64_t next_lines = panel_groups(g + nr, end) * (a.k / Tile::kPerWord);
@@ -576,7 +592,7 @@ static void packed_gemm(const typename Tile::Args& a, T* out, const Prologue& pr
       }
       g += nr;
     }
-  }
+  });
 }
 #endif
 
@@ -665,27 +681,132 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
 #endif
 }
 
+#if defined(__x86_64__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// The int8 GEMM of the avx2 and portable builds, its sums as exact as the VNNI kernel's. Below
+// AVX512-VNNI no 8-bit multiply is exact for 8-bit codes (vpmaddubsw adds two u8 x s8 products
+// in saturating 16 bits, so oneDNN keeps the weights to 7 bits there: KL 0.019 and +3.9%
+// perplexity on SmolLM2, measured on a Zen 3), so the codes are widened to 16 bits and pmaddwd
+// adds pairs of 16-bit products into 32-bit lanes. The weight is packed as [groups of 16
+// channels][k / 2][16][2] bytes and widened as it is loaded; the activation codes are widened
+// once, in the prologue, and each row's next pair is broadcast. A tile keeps MR rows x 16 NG
+// channels of sums in registers (NG 2: a gated layer's (gate, up) pair of groups).
+#define KVSERVE_INT8_PAIRS 1
+constexpr int kInt8PerWord = 2;  // k values per packed word of a channel
+
+struct PairVec {  // the tile's vector ops: 8 int32 lanes with AVX2, 4 with the baseline's SSE2
+#if defined(__AVX2__)
+  using V = __m256i;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V broadcast(int32_t word) { return _mm256_set1_epi32(word); }
+  static V weights(const int8_t* w) {  // kLanes channels x 2 codes, widened
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  }
+  static V madd_add(V acc, V x, V w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+  static void store(int32_t* dst, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
+#else
+  using V = __m128i;
+  static constexpr int kLanes = 4;
+  static V zero() { return _mm_setzero_si128(); }
+  static V broadcast(int32_t word) { return _mm_set1_epi32(word); }
+  static V weights(const int8_t* w) {  // SSE2 has no sign extension: each byte into a word's top, shifted down
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+    return _mm_srai_epi16(_mm_unpacklo_epi8(bytes, bytes), 8);
+  }
+  static V madd_add(V acc, V x, V w) { return _mm_add_epi32(acc, _mm_madd_epi16(x, w)); }
+  static void store(int32_t* dst, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), v); }
+#endif
+};
+
+struct Int8PairArgs {
+  const int16_t* x;        // [m, k] activation codes, widened
+  const float* x_scales;   // [m]
+  const int8_t* packed;    // [groups, k / 2, 16, 2]
+  const float* w_scales;   // [groups * 16]
+  const float* bias;       // [groups * 16] or nullptr
+  int64_t m, k, n;
+  bool gated;              // (gate, up) group pairs -> silu(gate) * up, out [m, n / 2]
+};
+
+template <int MR, int NG, typename T>
+static void pair_tile(const Int8PairArgs& a, int64_t row, int64_t group, T* out) {
+  constexpr int kPerGroup = 16 / PairVec::kLanes, NV = NG * kPerGroup;  // accumulators per row
+  PairVec::V acc[MR][NV];
+  for (auto& row_acc : acc)
+    for (auto& v : row_acc) v = PairVec::zero();
+  const int8_t* w = a.packed + group * a.k * 16;
+  const int16_t* x = a.x + row * a.k;
+  for (int64_t p = 0; p < a.k / 2; ++p, w += 32, x += 2) {
+    PairVec::V pairs[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      int32_t word;
+      std::memcpy(&word, x + i * a.k, 4);
+      pairs[i] = PairVec::broadcast(word);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const PairVec::V wv = PairVec::weights(w + (v / kPerGroup) * a.k * 16 + (v % kPerGroup) * 2 * PairVec::kLanes);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) acc[i][v] = PairVec::madd_add(acc[i][v], pairs[i], wv);
+    }
+  }
+  alignas(64) int32_t sums[NG * 16];
+  float result[NG * 16];
+  const int64_t channel = group * 16;
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) PairVec::store(sums + v * PairVec::kLanes, acc[i][v]);
+    const float x_scale = a.x_scales[row + i];
+    for (int c = 0; c < NG * 16; ++c)
+      result[c] = static_cast<float>(sums[c]) * a.w_scales[channel + c] * x_scale +
+                  (a.bias != nullptr ? a.bias[channel + c] : 0.f);
+    if constexpr (NG == 2) {  // gated: silu(gate) * up
+      const int64_t half = a.n / 2, col = group / 2 * 16;
+      silu_mul_rows(result, result + 16, 16);
+      from_float(result, out + (row + i) * half + col, std::min<int64_t>(16, half - col));
+    } else {
+      from_float(result, out + (row + i) * a.n + channel, std::min<int64_t>(16, a.n - channel));
+    }
+  }
+}
+
+// Every row against groups [group, group + NG), MR rows a tile: as many as keep the sums, the
+// broadcast pairs and a weight vector within the 16 vector registers.
+template <int NG, typename T>
+static void pair_rows(const Int8PairArgs& a, int64_t group, T* out) {
+  constexpr int NV = NG * 16 / PairVec::kLanes, MR = std::clamp(15 / (NV + 1), 1, 4);
+  int64_t row = 0;
+  for (; row + MR <= a.m; row += MR) pair_tile<MR, NG>(a, row, group, out);
+  for (; row < a.m; ++row) pair_tile<1, NG>(a, row, group, out);
+}
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVSERVE_INT8_VNNI 1
+constexpr int kInt8PerWord = 4;
+#endif
+
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales) {
-  // codes int8 [n, k], scales float32 [n] -> (packed int8 [groups, k / 4, 16, 4], comp int32 [groups * 16],
-  // scales float32 [groups * 16]), channels past n zero; empty where this build has no VNNI GEMM or k % 4 != 0,
-  // and on CPUs with AMX-INT8, where oneDNN multiplies in tiles (the kernel was not measured against those)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(__AMX_INT8__)
+  // codes int8 [n, k], scales float32 [n] -> (packed int8 [groups, k / w, 16, w], comp int32 [groups * 16]: 128 *
+  // each channel's sum (the VNNI kernel's offset), scales float32 [groups * 16]), channels past n zero; w = 4 for
+  // the VNNI kernel, 2 for the pairs kernel. Empty where k % w != 0, where this build has no int8 GEMM, and in the
+  // amx build, where oneDNN multiplies in AMX tiles (the kernels were not measured against those)
+#if (defined(KVSERVE_INT8_VNNI) || defined(KVSERVE_INT8_PAIRS)) && !defined(__AMX_INT8__)
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kChar && scales.numel() == codes.size(0),
               "codes: int8 [n, k], scales: [n]");
+  constexpr int64_t w = kInt8PerWord;
   const int64_t n = codes.size(0), k = codes.size(1), groups = (n + 15) / 16;
-  if (k % 4 != 0) return {};
-  auto w = codes.contiguous();
-  auto packed = torch::zeros({groups, k / 4, 16, 4}, w.options());
-  auto comp = torch::zeros({groups * 16}, w.options().dtype(torch::kInt));
-  auto padded = torch::zeros({groups * 16}, w.options().dtype(torch::kFloat));
+  if (k % w != 0) return {};
+  auto contiguous = codes.contiguous();
+  auto packed = torch::zeros({groups, k / w, 16, w}, contiguous.options());
+  auto comp = torch::zeros({groups * 16}, contiguous.options().dtype(torch::kInt));
+  auto padded = torch::zeros({groups * 16}, contiguous.options().dtype(torch::kFloat));
   padded.narrow(0, 0, n).copy_(scales);
-  const int8_t* src = w.data_ptr<int8_t>();
+  const int8_t* src = contiguous.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* c = comp.data_ptr<int32_t>();
   for (int64_t r = 0; r < n; ++r) {
     int32_t sum = 0;
     for (int64_t j = 0; j < k; ++j) {
-      dst[(((r / 16) * (k / 4) + j / 4) * 16 + r % 16) * 4 + j % 4] = src[r * k + j];
+      dst[(((r / 16) * (k / w) + j / w) * 16 + r % 16) * w + j % w] = src[r * k + j];
       sum += src[r * k + j];
     }
     c[r] = 128 * sum;
@@ -698,7 +819,14 @@ std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor sca
 #endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(KVSERVE_INT8_VNNI) || defined(KVSERVE_INT8_PAIRS)
+// The VNNI kernel takes activation codes + 128 (unsigned), the pairs kernel signed ones.
+#if defined(KVSERVE_INT8_VNNI)
+constexpr bool kInt8Offset = true;
+#else
+constexpr bool kInt8Offset = false;
+#endif
+
 // An int8 layer on x [m, k] (int8_linear, int8_linear_after_norm): the checks, the activation
 // buffers and the GEMM, in whose parallel region each thread first runs
 // quantize(rows, codes, scales, begin, end) on its share of the rows (rows: x's data, typed).
@@ -708,26 +836,45 @@ static torch::Tensor int8_layer(const torch::Tensor& x, const torch::Tensor& pac
                                 const c10::optional<torch::Tensor>& bias, bool gated, const Quantize& quantize) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, cols]");
   const int64_t m = x.size(0), k = x.size(1), groups = (out_features + 15) / 16;
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(1) * 4 == k && comp.numel() == groups * 16 &&
-              scales.numel() == groups * 16, "packed weight does not match x / out_features");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == groups && packed.size(3) == kInt8PerWord &&
+              packed.size(1) * kInt8PerWord == k && comp.numel() == groups * 16 && scales.numel() == groups * 16,
+              "packed weight does not match x / out_features");
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == groups * 16,
                 "bias: float32 [out_features padded to a multiple of 16]");
   // the activation codes and their scales live only within this call: in a buffer the calling
-  // thread keeps, not two tensors (with the fused pass above: 4.5 -> 3.6 us a call at 32 x 576)
+  // thread keeps, not two tensors (with the fused pass above: 4.5 -> 3.6 us a call at 32 x 576);
+  // the pairs kernel's codes widened to 16 bits after them
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(m + (m * k + 3) / 4));
+  const int64_t code_words = (m * k + 3) / 4, wide_words = kInt8Offset ? 0 : (m * k + 1) / 2;
+  scratch.resize(static_cast<size_t>(m + code_words + wide_words));
   float* row_scales = scratch.data();
   uint8_t* row_codes = reinterpret_cast<uint8_t*>(scratch.data() + m);
   auto out = torch::empty({m, output_columns(out_features, gated)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
     scalar_t* rows = x.data_ptr<scalar_t>();
+    const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+#if defined(KVSERVE_INT8_VNNI)
     const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
-                            scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                            m, k, out_features, gated};
+                            scales.data_ptr<float>(), bias_data, m, k, out_features, gated};
     packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
       quantize(rows, row_codes, row_scales, begin, end);
     });
+#else
+    int16_t* wide = reinterpret_cast<int16_t*>(scratch.data() + m + code_words);
+    const Int8PairArgs args{wide, row_scales, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_data,
+                            m, k, out_features, gated};
+    scalar_t* result = out.data_ptr<scalar_t>();
+    parallel_gemm(m, groups, gated, [&](int64_t begin, int64_t end) {
+      quantize(rows, row_codes, row_scales, begin, end);
+      for (int64_t i = begin * k; i < end * k; ++i) wide[i] = static_cast<int8_t>(row_codes[i]);
+    }, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; g += gated ? 2 : 1) {
+        if (gated) pair_rows<2>(args, g, result);
+        else pair_rows<1>(args, g, result);
+      }
+    });
+#endif
   });
   return out;
 }
@@ -740,19 +887,18 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   // bias float32, padded like the scales (prepared once at load, not per call); rotate_block > 1:
   // x's rows are turned by the block Walsh-Hadamard matrix first (W was turned at load); gated: as
   // bf16_linear's
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(KVSERVE_INT8_VNNI) || defined(KVSERVE_INT8_PAIRS)
   TORCH_CHECK(x.dim() == 2, "x must be contiguous [rows, cols]");
   const int64_t k = x.size(1);
   TORCH_CHECK(rotate_block >= 1 && (rotate_block & (rotate_block - 1)) == 0 && k % rotate_block == 0,
               "rotate_block must be a power of two dividing in_features");
   return int8_layer(x, packed, comp, scales, out_features, bias, gated,
                     [&](auto* rows, uint8_t* codes, float* row_scales, int64_t begin, int64_t end) {
-                      quantize_row_range(rows, codes, row_scales, begin, end, k, true, rotate_block);
+                      quantize_row_range(rows, codes, row_scales, begin, end, k, kInt8Offset, rotate_block);
                     });
 #else
-  (void)rotate_block;
-  (void)gated;
-  TORCH_CHECK(false, "int8_linear needs AVX512-VNNI (int8_gemm_pack returned nothing)");
+  (void)x, (void)packed, (void)comp, (void)scales, (void)out_features, (void)bias, (void)rotate_block, (void)gated;
+  TORCH_CHECK(false, "int8_linear: this build has no int8 GEMM (int8_gemm_pack returned nothing)");
 #endif
 }
 
@@ -762,7 +908,7 @@ torch::Tensor int8_linear_after_norm(torch::Tensor residual, c10::optional<torch
   // int8_linear(add_rms_norm(residual, delta, ones, eps), ...) in one call: residual [m, k] is
   // updated in place by += delta (when given), and the layer's input is its RMS norm with unit
   // weight (a norm whose weight was folded into W: kvserve.model.rotation)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(KVSERVE_INT8_VNNI) || defined(KVSERVE_INT8_PAIRS)
   TORCH_CHECK(residual.dim() == 2, "residual must be contiguous [rows, cols]");
   if (delta.has_value())
     TORCH_CHECK(delta->sizes() == residual.sizes() && delta->is_contiguous() &&
@@ -772,11 +918,11 @@ torch::Tensor int8_linear_after_norm(torch::Tensor residual, c10::optional<torch
                     [&](auto* rows, uint8_t* codes, float* row_scales, int64_t begin, int64_t end) {
                       using T = std::remove_pointer_t<decltype(rows)>;
                       add_norm_quantize_row_range(rows, delta.has_value() ? delta->data_ptr<T>() : nullptr, codes,
-                                                  row_scales, begin, end, k, static_cast<float>(eps));
+                                                  row_scales, begin, end, k, static_cast<float>(eps), kInt8Offset);
                     });
 #else
   (void)residual, (void)delta, (void)eps, (void)packed, (void)comp, (void)scales, (void)out_features, (void)bias;
   (void)gated;
-  TORCH_CHECK(false, "int8_linear_after_norm needs AVX512-VNNI (int8_gemm_pack returned nothing)");
+  TORCH_CHECK(false, "int8_linear_after_norm: this build has no int8 GEMM (int8_gemm_pack returned nothing)");
 #endif
 }
