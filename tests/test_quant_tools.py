@@ -124,7 +124,9 @@ def test_eval_runs_a_bf16_model(smollm: LoadedModel) -> None:
 
 
 def test_eval_reports_quality_memory_and_concurrency(tmp_path: Path, scales_file: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+                                                     capsys: pytest.CaptureFixture[str], isa: str) -> None:
+    """The quantized-KV quality bounds hold at every ISA level (each level's kernels read the
+    pools)."""
     text = tmp_path / "heldout.txt"
     text.write_text("\n\n".join(stdlib_docstrings()[:40]))
     out = tmp_path / "report"

@@ -116,10 +116,11 @@ def cpu_op(name: str) -> Any | None:
 
 
 @contextmanager
-def use_isa(name: str) -> Iterator[Any]:
-    """Run level ``name``'s ops inside the block (tests and benchmarks compare levels in one
-    process). Ops already looked up keep their level: build models inside the block."""
-    module = load_level(level(name))
+def use_isa(isa: str | IsaLevel) -> Iterator[Any]:
+    """Run a level's ops (one of LEVELS by name, or any IsaLevel) inside the block: tests and
+    benchmarks compare levels in one process. Ops already looked up keep their level: build
+    models inside the block."""
+    module = load_level(level(isa) if isinstance(isa, str) else isa)
     previous = cpu_kernels()
     _ACTIVE[0] = module
     try:
