@@ -1,4 +1,4 @@
-"""Decode attention over sequences of unequal length: how the threads share a step (issue 19).
+"""Decode attention over sequences of unequal length: how the threads share a step.
 
     python benchmarks/decode_balance.py --out docs/results/decode_balance.json \\
         [--baseline ~/.cache/torch_extensions/py311_cpu/<an older build>/<its name>.so]

@@ -1,4 +1,4 @@
-"""Decode attention over a cold pool against this machine's sequential read bandwidth (issue 19, target 1).
+"""Decode attention over a cold pool against this machine's sequential read bandwidth.
 
     python benchmarks/decode_bandwidth.py --out docs/results/decode_bandwidth.json
     python benchmarks/decode_bandwidth.py --length 4096 --rounds 5   # the KV dtypes side by side

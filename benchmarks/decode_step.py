@@ -1,4 +1,4 @@
-"""The decode step per KV dtype at long context and high concurrency (issue 19, target 2).
+"""The decode step per KV dtype at long context and high concurrency.
 
     python benchmarks/decode_step.py --kv-scales docs/results/smollm2_kv_scales.json \\
         --out docs/results/decode_step_32x4096.json [--block-size 64] [--fill random] [--dtype float32]

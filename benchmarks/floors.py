@@ -1,4 +1,4 @@
-"""The long-context workload at the rates of kvserve's own kernels (issue 19, target 3).
+"""The long-context workload at the rates of kvserve's own kernels.
 
     python benchmarks/floors.py --kv-cache-dtypes int4,int8,bf16 --block-size 32 \\
         --results docs/results/long_context_session25.json --out docs/results/floors.json

@@ -9,7 +9,7 @@ qkv 576→960, o 576→576, gate_up 576→3,072, down 1,536→576, each layer it
 row count, as the bf16 model runs them (``PackedLinear``: kvserve's bf16 GEMM) and as
 ``--quantization int8`` runs them (``Int8Linear``: activations quantized per row, VNNI int8 GEMM,
 rescaled), alternating round by round in one process. At 2,048 rows (a prefill chunk) the first
-8 layers only. Each rate is reported against its own instruction's peak (issue 19, target 4).
+8 layers only. Each rate is reported against its own instruction's peak.
 """
 
 from __future__ import annotations

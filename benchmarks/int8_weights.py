@@ -1,4 +1,4 @@
-"""``--quantization int8`` (W8A8 linear layers) against the bf16 (or ``--dtype float32``) model (issue 19, target 4).
+"""``--quantization int8`` (W8A8 linear layers) against the bf16 (or ``--dtype float32``) model.
 
     python benchmarks/int8_weights.py --out docs/results/int8_weights.json
 

@@ -4,7 +4,7 @@ the same held-out tokens, scored the same way (ΔPPL, mean KL, top-1 against its
     # 1. in kvserve's venv: the held-out token windows kvserve eval scores
     .venv/bin/python benchmarks/llamacpp_kv_eval.py export --out bench_out/heldout_tokens.json
     # 2. in a venv with llama-cpp-python==0.3.36 (builds llama.cpp from source, ~5 min):
-    /work/llama-venv/bin/python benchmarks/llamacpp_kv_eval.py score --tokens bench_out/heldout_tokens.json \\
+    ~/llama-venv/bin/python benchmarks/llamacpp_kv_eval.py score --tokens bench_out/heldout_tokens.json \\
         --out docs/results/llamacpp_kv_eval.json
 
 llama.cpp's weights stay Q4_1 and its matmuls quantize activations, so its absolute perplexity

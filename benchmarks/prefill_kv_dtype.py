@@ -1,7 +1,7 @@
-"""Prefill over each KV dtype's pool: where a prompt-heavy workload's time goes (issue 19, target 3).
+"""Prefill over each KV dtype's pool: where a prompt-heavy workload's time goes.
 
     python benchmarks/prefill_kv_dtype.py --kv-cache-dtype auto,int8,auto,int8 \\
-        --kv-scales docs/results/smollm2_kv_scales.json [--vllm-python /work/vllm-venv/bin/python]
+        --kv-scales docs/results/smollm2_kv_scales.json [--vllm-python ~/vllm-venv/bin/python]
 
 One engine per entry (bf16 model, 2 threads, 1 GiB of KV, prefix caching off, 2,048 batched
 tokens): ``--batch`` prompts of ``--context`` random tokens prefilled to their first token, timed

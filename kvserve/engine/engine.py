@@ -156,7 +156,7 @@ def warn_if_matmuls_emulated(device: torch.device, dtype: torch.dtype) -> None:
     name = str(dtype).removeprefix("torch.")
     logger.warning("dtype %s: this CPU (%s) has no native %s matmul, so the linear layers run emulated, several "
                    "times slower than in float32 (bf16 on a Zen 3: the rest of a 32 x 4,096 decode step, mostly "
-                   "linear layers, 500 ms against 126 ms; docs/benchmarks.md, session 35); --dtype float32 (the "
+                   "linear layers, 500 ms against 126 ms; docs/benchmarks.md); --dtype float32 (the "
                    "CPU default) with --kv-cache-dtype bf16 keeps the KV memory saving at float32 speed",
                    name, torch.backends.cpu.get_cpu_capability(), name)
 
