@@ -125,8 +125,13 @@ def test_metrics_and_kv_name_the_cpu_ops_level(server: dict[str, Any]) -> None:
 
     level = selected_level()
     assert level is not None and active_isa() == level.name
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(server["base"] + "/metrics").text
     assert f'kvserve:cpu_ops_info{{isa="{level.name}"}} 1.0' in text
+    # as a Prometheus scraper reads it: one sample, the running level as its label
+    (info,) = [family for family in text_string_to_metric_families(text) if family.name == "kvserve:cpu_ops_info"]
+    assert [(sample.labels, sample.value) for sample in info.samples] == [({"isa": level.name}, 1.0)]
     kv = httpx.get(server["base"] + "/v1/kv", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert kv["cpu_ops_isa"] == level.name
 

@@ -12,6 +12,7 @@ the server reports it on /metrics and /v1/kv.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -30,6 +31,7 @@ _LOADED: dict[str, Any] = {}  # level name -> its module, once imported
 _ACTIVE: list[Any] = []  # [the module cpu_op reads] once chosen; [None]: torch ops
 
 
+@functools.cache  # the CPU does not change under a process; every level check reads it
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
     try:

@@ -1,8 +1,9 @@
 // The decoder's elementwise steps and int8 linear layers.
 // add_rms_norm / silu_and_mul: residual add + RMSNorm and SwiGLU's gate, one pass each instead
 // of several torch ops (each a dispatch and a trip through memory), float32 inside.
-// int8_linear (+ int8_gemm_pack): a W8A8 linear layer in one call, VNNI int8 GEMM;
-// quantize_rows_int8 / scale_rows_: the two ends of one where oneDNN does the GEMM.
+// int8_linear (+ int8_gemm_pack): a W8A8 linear layer in one call, on the VNNI int8 GEMM (avx512
+// build) or the 16-bit pairs one (avx2, portable); quantize_rows_int8 / scale_rows_: the two ends
+// of one where oneDNN does the GEMM (amx build).
 #include <omp.h>
 #if defined(__x86_64__)
 #include <immintrin.h>  // the pairs kernel's SSE2 at the portable level
