@@ -78,7 +78,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import cpu_name
 
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.cache.kv_cache_manager import cdiv
+from kvserve.cache.kv_groups import cdiv
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine, load_model
 from kvserve.engine.sampling import SamplingParams

@@ -9,26 +9,32 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvserve.cache.kv_cache_manager import KVCacheManager, StreamingWindow, TokenReader, cdiv
-from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, cdiv
+from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_tiers import TierIndex
+from kvserve.cache.prefix_cache import TokenReader
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 
 
 def check_manager(kv: KVCacheManager) -> None:
-    owners = Counter(b.block_id for rid, tables in kv.block_tables.items()
-                     for table, first in zip(tables, kv.num_released[rid], strict=True) for b in table[first:])
+    """Every invariant of the records (RequestKV), the pool and the statistics."""
+    holders = kv.holders()
+    owners = Counter(b.block_id for record in holders.values() for table in record.live_tables() for b in table)
     assert 0 not in owners, "the null block was handed out"
     assert all(b.ref_cnt >= 0 for b in kv.pool.blocks)
     free_ids = {b.block_id for b in kv.pool.free_queue}
     assert len(free_ids) == kv.pool.num_free_blocks
     assert not free_ids & set(owners)
-    runs = [run for group_runs in kv.tails.values() for run in group_runs]
+    assert all(not record.tails for record in kv.requests.values() if record.tables is None)  # tails go with tables
+    runs = [run for record in holders.values() for run in record.tails]
     tail_ids = [b.block_id for run in runs for b in run]
-    assert set(kv.tails) == set(kv.block_tables) if kv.tail_blocks else not kv.tails  # tail runs per request
-    assert all(len(group_runs) == len(kv.groups) for group_runs in kv.tails.values())  # one per group
+    for record in holders.values():  # one tail run per group, where the format keeps tails
+        assert len(record.tails) == (len(kv.groups) if kv.tail_blocks else 0)
+        assert len(record.policies) == len(kv.groups) and record.shares == (record.window is None
+                                                                              and not record.compacted)
     for run in runs:  # aligned, contiguous, held once, past the null block's run
         ids = [b.block_id for b in run]
         assert ids == list(range(ids[0], ids[0] + kv.tail_blocks)) and ids[0] % kv.tail_blocks == 0 and ids[0]
@@ -37,18 +43,19 @@ def check_manager(kv: KVCacheManager) -> None:
     assert len(free_ids) + len(owners) + len(tail_ids) == kv.pool.num_usable_blocks
     held: dict[int, int] = {}  # physical: tokens each distinct block holds
     logical = 0
-    for rid, tables in kv.block_tables.items():
-        for spec, table, first in zip(kv.groups, tables, kv.num_released[rid], strict=True):
-            assert len(table) == cdiv(kv.num_tokens[rid], kv.block_size)
+    for record in holders.values():
+        assert record.tables is not None and record.swapped is None
+        for policy, table, first in zip(record.policies, record.tables, record.num_released, strict=True):
+            assert len(table) == cdiv(record.num_tokens, kv.block_size)
             assert all(b is kv.pool.null_block for b in table[:first])
             # nothing the next query (at num_tokens) reads was released
-            assert first <= spec.first_live_block(kv.num_tokens[rid], kv.block_size)
-            logical += kv.num_tokens[rid] - first * kv.block_size
+            assert first <= policy.first_live_block(record.num_tokens, kv.block_size)
+            logical += record.num_tokens - first * kv.block_size
             for i, block in enumerate(table[first:], start=first):
                 assert block.ref_cnt == owners[block.block_id], "ref count != number of tables holding it"
                 if block.ref_cnt > 1:
                     assert block.block_hash is not None, "only published blocks are shared"
-                filled = min(kv.block_size, kv.num_tokens[rid] - i * kv.block_size)
+                filled = min(kv.block_size, record.num_tokens - i * kv.block_size)
                 held[block.block_id] = max(held.get(block.block_id, 0), filled)
     stats = kv.stats()
     assert stats.blocks_used == len(owners) + len(tail_ids) and stats.tail_blocks_used == len(tail_ids)
@@ -57,7 +64,7 @@ def check_manager(kv: KVCacheManager) -> None:
     assert stats.live_tokens == sum(held.values())
     assert stats.allocated_slots == len(owners) * kv.block_size
     assert stats.utilization <= 1.0 and stats.tail_waste >= 0
-    assert stats.tail_waste < max(1, len(kv.block_tables) * len(kv.groups)) * kv.block_size or not kv.block_tables
+    assert stats.tail_waste < max(1, len(holders) * len(kv.groups)) * kv.block_size or not holders
     assert stats.sharing_factor >= 1.0
 
 
@@ -91,8 +98,8 @@ def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, nu
         shift = kv.evicted_tokens(request_id)  # compaction moved the request's tokens to cache positions
         if op == "grow":
             before = kv.pool.num_free_blocks
-            target = kv.num_tokens.get(request_id, 0) + shift + n
-            cached = None if request_id in kv.block_tables else kv.find_cached_prefix(request_id, target, tokens)
+            target = kv.num_tokens(request_id) + shift + n
+            cached = None if request_id in kv.holders() else kv.find_cached_prefix(request_id, target, tokens)
             foreseen = kv.blocks_to_reach(request_id, target, cached)  # what admission control reserves
             ok = kv.allocate_slots(request_id, target, tokens, cached)
             exact = groups == "full"  # sliding groups: an estimate (shared blocks leaving the window stay held)
@@ -101,31 +108,31 @@ def test_manager_random_ops(ops: list[tuple[str, int, int]], block_size: int, nu
                 assert kv.pool.num_free_blocks == before or (groups != "full" and kv.pool.num_free_blocks > before)
                 assert not exact or foreseen > before or tail_blocks  # short of blocks (or of an aligned tail run)
             else:
-                assert kv.num_tokens[request_id] == target - shift
+                assert kv.num_tokens(request_id) == target - shift
                 assert not exact or before - kv.pool.num_free_blocks == foreseen
                 assert not exact or kv.blocks_to_reach(request_id, target) == 0
         elif op == "compact":  # keep n% of the request's tokens in fresh private blocks (SnapKV)
-            if groups != "full" or request_id not in kv.block_tables:
+            if groups != "full" or request_id not in kv.holders():
                 continue
-            held, free = kv.num_tokens[request_id], kv.pool.num_free_blocks
+            held, free = kv.num_tokens(request_id), kv.pool.num_free_blocks
             keep = max(1, held * n // 40)
-            old_blocks = len(kv.block_tables[request_id][0])
+            old_blocks = len(kv.block_ids(request_id))
             moved = kv.compact(request_id, keep)
             if moved is None:  # the pool was short: nothing changed
-                assert kv.num_tokens[request_id] == held and kv.pool.num_free_blocks == free
+                assert kv.num_tokens(request_id) == held and kv.pool.num_free_blocks == free
             else:
                 old, new = moved
                 assert len(old) == old_blocks and len(new) == kv.blocks_needed(keep) and not set(new) & set(old)
-                assert kv.num_tokens[request_id] == keep and kv.evicted_tokens(request_id) == shift + held - keep
-                assert request_id in kv.private
+                assert kv.num_tokens(request_id) == keep and kv.evicted_tokens(request_id) == shift + held - keep
+                assert kv.requests[request_id].compacted and not kv.requests[request_id].shares
         else:
             kv.free(request_id)
         check_manager(kv)
-    for rid in list(kv.block_tables):
+    for rid in list(kv.holders()):
         kv.free(rid)
     check_manager(kv)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and kv.stats().live_tokens == 0
-    assert kv.pool.num_shared_refs == 0 and not kv.tails
+    assert kv.pool.num_shared_refs == 0 and not kv.holders()
 
 
 def test_shared_prefix_counts_once() -> None:
@@ -215,13 +222,13 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
         scheduled = sched.schedule()
         chunks = scheduled.chunks
         for r in scheduled.preempted:  # swapped out (progress kept, blocks in tier 1) or reset for recompute
-            assert (r.status is RequestStatus.SWAPPED and r.request_id in kv.swapped) or (
+            assert (r.status is RequestStatus.SWAPPED and kv.requests[r.request_id].swapped is not None) or (
                 r.status is RequestStatus.WAITING and r.num_computed_tokens == 0)
-        if tier is not None:
-            tier.take_moves()  # what the engine does after scheduling
+        # the plan carries the step's tier moves: nothing is left waiting in the tier for a later step
+        assert (scheduled.storage.tier_moves is None) == (tier is None) and not any(tier.take_moves() if tier else ())
         assert not {r.request_id for r in scheduled.preempted} & {c.request.request_id for c in chunks}
         assert sum(c.num_tokens for c in chunks) <= budget and len(sched.running) <= max_seqs
-        assert all(c.request.request_id in kv.block_tables for c in chunks)
+        assert all(c.request.request_id in kv.holders() for c in chunks)
         written: list[int] = []
         for c in chunks:
             r = c.request
@@ -246,9 +253,9 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
                         break
         check_manager(kv)
         for r in sched.running:  # slots held = tokens computed: rejected drafts hold none
-            assert kv.num_tokens[r.request_id] == r.num_computed_tokens
+            assert kv.num_tokens(r.request_id) == r.num_computed_tokens
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
-    assert not kv.swapped and (tier is None or tier.num_reserved == 0)
+    assert not kv.requests and (tier is None or tier.num_reserved == 0)
     for r in requests:
         assert r.finished
         if r.request_id not in aborted:
@@ -296,8 +303,7 @@ def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, bu
             sink_ids.pop(r.request_id, None)  # swapped: its blocks come back elsewhere
             if r.status is RequestStatus.WAITING:  # recomputed: evicts afresh
                 assert kv.evicted_tokens(r.request_id) == 0
-        if tier is not None:
-            tier.take_moves()
+        assert (scheduled.storage.tier_moves is None) == (tier is None) and not any(tier.take_moves() if tier else ())
         written: list[int] = []
         for c in scheduled.chunks:
             r = c.request
@@ -308,7 +314,7 @@ def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, bu
             done = c.completes_sequence
             r.num_computed_tokens += c.num_tokens
             first_query = r.num_computed_tokens - c.num_tokens  # the window is kept for the chunk's first query
-            table = kv.block_tables[r.request_id][0]
+            table = kv.block_ids(r.request_id)
             assert len(table) <= held
             sink = streaming.sink_blocks(block_size)
             if kv.evicted_tokens(r.request_id):  # the window's blocks start where the first query needs them
@@ -320,8 +326,8 @@ def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, bu
                     sched.finish(r, "length")
         check_manager(kv)
         for r in sched.running:
-            assert kv.num_tokens[r.request_id] + kv.evicted_tokens(r.request_id) == r.num_computed_tokens
-    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and not kv.evicted
+            assert kv.num_tokens(r.request_id) + kv.evicted_tokens(r.request_id) == r.num_computed_tokens
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and not kv.requests
 
 
 def test_blocks_to_reach_counts_revived_hits() -> None:

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.cache.kv_cache_manager import hash_block, prompt_block_hashes
+from kvserve.cache.prefix_cache import hash_block, prompt_block_hashes
 from kvserve.cluster.asgi import ForwardedRequest, ResponseStart, call_asgi
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.metrics import exposition, merge_replica_metrics

@@ -57,6 +57,7 @@ def test_continuous_batching_limits_and_chunked_prefill(engine: LLMEngine) -> No
     chunks = scheduled.chunks
     assert scheduled.num_scheduled_tokens <= 16 and not scheduled.preempted
     assert len(engine.scheduler.running) <= 3  # max_num_seqs
+    engine.kv_cache.prepare(scheduled.storage)
     engine.runner.execute(chunks)
     for c in chunks:
         c.request.num_computed_tokens += c.num_tokens

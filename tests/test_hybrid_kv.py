@@ -97,9 +97,9 @@ def test_tiny_gemma_matches_transformers(tiny_gemma: tuple[Path, list[list[int]]
     requests = [llm.engine.add_request(p, GREEDY) for p in prompts]
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-        for rid, tables in kv.block_tables.items():
-            for spec, table, first in zip(kv.groups, tables, kv.num_released[rid], strict=True):
-                assert len(table) - first <= spec.blocks_held(kv.num_tokens[rid], block_size, 16)
+        for record in kv.holders().values():
+            for spec, table, first in zip(kv.groups, record.tables, record.num_released, strict=True):
+                assert len(table) - first <= spec.blocks_held(record.num_tokens, block_size, 16)
                 released = max(released, first)
     assert [r.output_token_ids for r in requests] == want
     assert released * block_size >= 24 and llm.engine.num_preemptions > 0
@@ -163,7 +163,7 @@ def test_gemma3_long_prompts_match_transformers(gemma: LoadedModel) -> None:
         requests = [llm.engine.add_request(p, params) for p in prompts]
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
-            dropped = max([dropped, *(min(r[1:]) for r in kv.num_released.values())])
+            dropped = max([dropped, *(min(r.num_released[1:]) for r in kv.holders().values())])
         assert [r.output_token_ids for r in requests] == want
     stats = llm.engine.kv_stats()
     assert dropped * 16 > 900  # every sliding group released more than 900 tokens' blocks of a sequence

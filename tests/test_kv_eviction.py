@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.kv_cache_manager import StreamingWindow
+from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
@@ -98,7 +98,7 @@ def test_window_longer_than_the_sequence_changes_nothing(tiny_model_factory: Cal
                                                                               ignore_eos=True))]
     engine = streaming_engine(model, window=64)
     assert run_checked(engine, prompts, 40) == expected
-    assert engine.kv_manager.evicted == {}
+    assert engine.kv_manager.requests == {} and engine.kv_stats().evicted_tokens == 0
 
 
 @pytest.mark.parametrize("block_size,sinks,window", [(8, 4, 32), (16, 16, 24), (1, 4, 20), (16, 4, 24)])
@@ -130,9 +130,9 @@ def test_streaming_memory_is_bounded_whatever_max_tokens(tiny_model_factory: Cal
     late: list[KVCacheStats] = []
 
     def record(engine: LLMEngine) -> None:
-        tables = engine.kv_manager.block_tables
-        assert all(len(t[0]) <= bound for t in tables.values()), "a table outgrew the window"
-        if len(tables) == 2:
+        holders = engine.kv_manager.holders()
+        assert all(len(r.tables[0]) <= bound for r in holders.values()), "a table outgrew the window"
+        if len(holders) == 2:
             held.append(engine.kv_manager.pool.num_used_blocks)
             if len(held) == 500:  # ~520 tokens each: the pool holds their sinks and windows only
                 late.append(engine.kv_stats())
@@ -213,7 +213,7 @@ def test_streaming_under_preemption(tiny_model_factory: Callable[..., Path], mod
     outputs = run_checked(tight, prompts, 150)
     assert tight.num_preemptions > 0
     if mode == "swap":
-        assert outputs == expected and tight.kv_manager.num_swaps_in > 0
+        assert outputs == expected and tight.kv_stats().swaps_in > 0
     else:
         assert [len(o) for o in outputs] == [150] * 3
 
@@ -238,11 +238,10 @@ def test_per_request_streaming_beside_full_requests(tiny_model_factory: Callable
         for out in engine.step():
             outputs[out.request_id] = out.token_ids
         check_manager(engine.kv_manager)
-        tables = engine.kv_manager.block_tables
-        if ids[0] in tables:
-            assert len(tables[ids[0]][0]) <= StreamingWindow(4, 32).blocks_held(8, 2048)
+        if ids[0] in engine.kv_manager.holders():
+            assert len(engine.kv_manager.block_ids(ids[0])) <= StreamingWindow(4, 32).blocks_held(8, 2048)
     assert [outputs[i] for i in ids] == expected_stream + expected_plain[1:]
-    assert engine.kv_stats().evicted_tokens > 0 and not engine.kv_manager.windows
+    assert engine.kv_stats().evicted_tokens > 0 and not engine.kv_manager.requests
     # the same prompt again: the full request hits the cache, the streaming one does not
     full = engine.add_request(prompts[1], SamplingParams(max_tokens=1)).request_id
     stream = engine.add_request(prompts[1], SamplingParams(max_tokens=1, kv_eviction="streaming",
@@ -335,7 +334,7 @@ def test_compaction_keeps_any_tokens_per_layer_and_head(tiny_model_factory: Call
     outputs = engine.step()  # the prompt's prefill and the first token
     assert request.num_computed_tokens == 40 and engine.compact(request, index)
     check_manager(engine.kv_manager)
-    assert len(engine.kv_manager.block_tables[request.request_id][0]) == -(-keep // 8)
+    assert len(engine.kv_manager.block_ids(request.request_id)) == -(-keep // 8)
     while engine.has_unfinished_requests():
         outputs = engine.step()
         check_manager(engine.kv_manager)

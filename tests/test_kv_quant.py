@@ -274,7 +274,8 @@ def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(ki
         else:  # fp8 codes
             tensor.copy_((torch.rand(tensor.shape) * 2 - 1).to(tensor.dtype))
     before = [t.clone() for t in cache.per_block_tensors()]
-    cache.copy_blocks([(1, 4), (2, 5)])
+    for tensor in cache.per_block_tensors():  # what a swap or a tier move does: copy each per-block row
+        tensor[[4, 5]] = tensor[[1, 2]]
     tables = torch.tensor([[1, 2], [4, 5]])
     lens = torch.tensor([2 * block_size, 2 * block_size])
     for layer in cache.layers:

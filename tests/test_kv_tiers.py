@@ -64,7 +64,7 @@ def doc_tokens(doc: int) -> Callable[[int, int], list[int]]:
 
 def apply_moves(kv: KVCacheManager, host: dict[int, object], pool: dict[int, object]) -> TierMoves:
     """Run the step's moves on a model of what each tier slot and pool block holds."""
-    moves = kv.take_tier_moves()
+    moves = kv.take_storage_work().tier_moves
     assert moves is not None
     for block, slot in moves.demotions:
         host[slot] = pool[block]
@@ -88,8 +88,7 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
     pool_content: dict[int, object] = {}  # pool block -> key whose bytes it holds
     for op, rid, length in ops:
         request_id = f"r{rid}"
-        if op == "finish" or request_id in kv.block_tables:
-            kv.free(request_id)
+        if op == "finish" or request_id in kv.holders():
             kv.forget(request_id)
             continue
         tokens = doc_tokens(rid % 3)
@@ -98,7 +97,7 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
             moves = apply_moves(kv, content, pool_content)
             read = {b.block_id for b in cached.blocks[0] if isinstance(b, KVCacheBlock)}
             read |= {b for _, b in moves.promotions}
-            for block in kv.block_tables[request_id][0]:
+            for block in kv.requests[request_id].tables[0]:
                 if block.block_hash is None:
                     continue
                 if block.block_id in read:  # a hit: the bytes there must be its key's
@@ -109,7 +108,7 @@ def test_tier_bookkeeping_never_loses_duplicates_or_mislabels(ops: list[tuple[st
         assert len(set(tier.slots.values())) == len(tier.slots) <= tier_blocks
         for key, slot in tier.slots.items():  # a slot holds its key's bytes once this step's moves ran
             assert content.get(slot) == key
-    for rid in list(kv.block_tables):
+    for rid in list(kv.holders()):
         kv.free(rid)
     stats = tier.stats()
     assert stats.blocks == len(tier.slots) and stats.used_bytes == 100 * stats.blocks
@@ -293,7 +292,7 @@ def test_swap_and_demotion_never_mix_up_blocks(ops: list[tuple[str, int, int]], 
     def expected(request_id: str, i: int, block: KVCacheBlock) -> object:
         """What the request's i-th block must hold: a full block, the content its chained key
         names (whoever computed it); the partial last one, the request's own tokens."""
-        hashes = kv.block_hashes.get(request_id, [])
+        hashes = kv.requests[request_id].block_hashes if request_id in kv.requests else []
         return hashes[i] if i < len(hashes) else (request_id, i)
 
     def run_moves() -> None:
@@ -302,28 +301,30 @@ def test_swap_and_demotion_never_mix_up_blocks(ops: list[tuple[str, int, int]], 
     for op, rid, length in ops:
         request_id = f"r{rid}"
         tokens = doc_tokens(rid % 3)
-        if op == "submit" and request_id not in kv.block_tables and request_id not in kv.swapped:
+        record = kv.request(request_id)
+        if op == "submit" and (record is None or (record.tables is None and record.swapped is None)):
             cached = kv.find_cached_prefix(request_id, length, tokens)
             if kv.allocate_slots(request_id, length, tokens, cached):
                 run_moves()
-                for i, block in enumerate(kv.block_tables[request_id][0][cached.num_blocks:], start=cached.num_blocks):
+                (table,) = kv.requests[request_id].tables
+                for i, block in enumerate(table[cached.num_blocks :], start=cached.num_blocks):
                     pool[block.block_id] = expected(request_id, i, block)  # computed this step
         elif op == "finish":
-            kv.free(request_id)
             kv.forget(request_id)
             run_moves()
-        elif op == "swap_out" and request_id in kv.block_tables:
+        elif op == "swap_out" and record is not None and record.tables is not None:
             kv.swap_out(request_id)
             run_moves()
-        elif op == "swap_in" and request_id in kv.swapped:
+        elif op == "swap_in" and record is not None and record.swapped is not None:
             kv.swap_in(request_id)
             run_moves()
-        for request_id, (table,) in kv.block_tables.items():
+        for request_id, holder in kv.holders().items():
+            (table,) = holder.tables
             for i, block in enumerate(table):
                 assert pool.get(block.block_id) == expected(request_id, i, block), "a block holds the wrong bytes"
-        reserved = [s for state in kv.swapped.values() for s in state.slots]
+        reserved = [s for r in kv.requests.values() if r.swapped is not None for s in r.swapped.slots]
         assert len(set(reserved)) == len(reserved) and not set(reserved) & set(tier.slots.values())
-    for request_id in list(kv.block_tables) + list(kv.swapped):
+    for request_id in list(kv.requests):
         kv.free(request_id)
     run_moves()
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and tier.num_reserved == 0

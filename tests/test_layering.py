@@ -1,5 +1,7 @@
 """The core (cache, engine, model, config, the LLM API) imports no tool (plan, quant, bench,
-server): tools build on the core, never the other way round."""
+server, cli, cluster, tune): tools build on the core, never the other way round; no two modules
+import each other, however indirectly; the model runner reads the step plan, never the KV
+manager or the scheduler."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent / "kvserve"
 CORE = [*ROOT.glob("cache/*.py"), *ROOT.glob("engine/*.py"), *ROOT.glob("model/*.py"), ROOT / "config.py",
         ROOT / "llm.py"]
-TOOLS = ("kvserve.plan", "kvserve.quant", "kvserve.bench", "kvserve.server", "kvserve.cli", "kvserve.cluster")
+TOOLS = ("kvserve.plan", "kvserve.quant", "kvserve.bench", "kvserve.server", "kvserve.cli", "kvserve.cluster",
+         "kvserve.tune")
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, top_level: bool = False) -> set[str]:
+    """The modules ``path`` imports (``top_level``: at import time, not inside functions)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (tree.body if top_level else ast.walk(tree)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -41,3 +46,39 @@ def test_ray_is_imported_only_by_the_ray_deployment() -> None:
     loaded = subprocess.run([sys.executable, "-c", code],
                             capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles() -> None:
+    """The module-level import graph of kvserve is acyclic (a cycle: the first found, in order)."""
+    graph = {module_name(path): {name for name in imported_modules(path, top_level=True)
+                                 if name.startswith("kvserve.")} for path in ROOT.rglob("*.py")}
+    assert len(graph) > 60
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for name in sorted(graph.get(module, ())):
+            if state.get(name) == 1:
+                return [*path[path.index(name):], name] if name in path else [module, name]
+            if name in graph and not state.get(name):
+                cycle = visit(name, [*path, name])
+                if cycle:
+                    return cycle
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if not state.get(module):
+            cycle = visit(module, [module])
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_runner_reads_only_the_step_plan() -> None:
+    names = imported_modules(ROOT / "engine" / "model_runner.py")
+    assert "kvserve.engine.step_plan" in names
+    assert not names & {"kvserve.cache.kv_cache_manager", "kvserve.engine.scheduler", "kvserve.cache.prefix_cache"}

@@ -141,7 +141,7 @@ def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], 
     counter = 0
 
     def write(rid: str, start: int, end: int) -> None:
-        for table in manager.block_tables[rid]:
+        for table in manager.requests[rid].tables:
             for pos in range(start, end):
                 block = table[pos // block_size]
                 assert block.ref_cnt == 1, "a shared block would be overwritten"
@@ -149,9 +149,9 @@ def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], 
 
     def check() -> None:
         holders: dict[int, int] = {}
-        for rid, tables in manager.block_tables.items():
-            for table, first in zip(tables, manager.num_released[rid], strict=True):
-                for block in table[first:]:
+        for record in manager.holders().values():
+            for table in record.live_tables():
+                for block in table:
                     holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in manager.pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
@@ -160,7 +160,7 @@ def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], 
             assert block.block_hash == key
 
     for op, which, size in ops:
-        live = sorted(manager.block_tables)
+        live = sorted(manager.holders())
         if op == "submit" or not live:
             rid = f"r{counter}"
             counter += 1
@@ -191,7 +191,7 @@ def test_invariants_under_random_interleavings(ops: list[tuple[str, int, int]], 
                 if op == "finish":
                     manager.forget(rid)
         check()
-    for rid in list(manager.block_tables):
+    for rid in list(manager.holders()):
         manager.free(rid)
     check()
     assert manager.pool.num_free_blocks == manager.pool.num_usable_blocks

@@ -168,10 +168,10 @@ def test_lookahead_is_never_published_and_rollback_frees_rejected_blocks() -> No
 
     assert kv.allocate_slots("a", 6, reader)  # 6 real tokens: block 0 is full and published
     assert kv.allocate_slots("a", 6 + 7, reader, num_lookahead_tokens=7)  # 7 drafts on 6 tokens: 4 blocks
-    assert len(kv.block_tables["a"][0]) == 4 and kv.num_published["a"] == 1
+    assert len(kv.block_ids("a")) == 4 and kv.requests["a"].num_published == 1
     check_manager(kv)
     kv.rollback("a", 7)  # one draft stood: blocks 2 and 3 held only rejected drafts
-    assert len(kv.block_tables["a"][0]) == 2 and kv.num_tokens["a"] == 7
+    assert len(kv.block_ids("a")) == 2 and kv.num_tokens("a") == 7
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks - 2
     check_manager(kv)
     kv.free("a")

@@ -29,6 +29,7 @@ import torch
 from kvserve.cache.huge_pages import empty_per_block
 from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_format import KEY_SCALE_MODES
+from kvserve.cache.kv_plan import StorageWork
 from kvserve.cache.kv_quant import (
     FLOAT_KINDS,
     FP8_TYPES,
@@ -591,6 +592,14 @@ class PagedKVCache:
         self.host_store = HostBlockStore(self.per_block_tensors(), capacity_blocks)
         self.disk = disk
 
+    def prepare(self, work: StorageWork) -> None:
+        """A step's storage work, before its forward pass: first-use zeroing of new blocks (before
+        blocks are loaded into them), the tier moves, then new tail slots (after the moves: a
+        demotion may read a block a fresh tail run just took)."""
+        self.zero_new_blocks(work.zero_up_to)
+        self.run_tier_moves(work.tier_moves)
+        self.zero_tail_slots(work.new_tail_slots)
+
     def run_tier_moves(self, moves: TierMoves | None) -> None:
         """A step's moves (after first-use zeroing, before the forward pass): tier 1's dropped
         blocks handed to tier 2 (written in the background), demotions, promotions, blocks read
@@ -616,19 +625,6 @@ class PagedKVCache:
                 loads += [(name, seconds) for seconds in source.load_seconds]
                 source.load_seconds.clear()
         return loads
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy block ``src`` onto block ``dst`` for each (src, dst), every layer, in its stored
-        format (codes and per-block scales alike). Sources hold data, so they were zeroed when
-        handed out; destinations are zeroed first here, so a later first-use zeroing cannot wipe
-        the copy."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.clipped.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.clipped.device)
-        self.zero_new_blocks(int(dst.max()))
-        for tensor in self.per_block_tensors():
-            tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.clipped.device)

@@ -112,11 +112,6 @@ def grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
 
 
-def expand_groups(scales: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[..., groups] -> [..., head_dim]: each group's scale repeated over its channels."""
-    return scales.repeat_interleave(head_dim // scales.shape[-1], dim=-1)
-
-
 def sylvester(n: int) -> torch.Tensor:
     """The +-1 Sylvester-Hadamard matrix [n, n] (n a power of two): H H^T = n I, entries exact in any dtype."""
     if n < 1 or n & (n - 1):

@@ -164,3 +164,29 @@ class KVCacheStats:
                       for t in self.tiers)
             + (f" | {self.spec_decode}" if self.spec_decode is not None else "")
         )
+
+
+@dataclass(slots=True)
+class PeakUsage:
+    """The pool's peak and mean figures over the steps so far (KVCacheManager.record_step)."""
+
+    blocks: int = 0
+    live_tokens: int = 0
+    requests: int = 0
+    utilization_at_peak: float = 1.0
+    _util_sum: float = 0.0
+    _util_samples: int = 0
+
+    def record(self, used_blocks: int, live_tokens: int, allocated_slots: int, requests: int) -> None:
+        util = live_tokens / allocated_slots if allocated_slots else 1.0
+        if used_blocks:
+            self._util_sum += util
+            self._util_samples += 1
+        if used_blocks > self.blocks:
+            self.blocks, self.utilization_at_peak = used_blocks, util
+        self.live_tokens = max(self.live_tokens, live_tokens)
+        self.requests = max(self.requests, requests)
+
+    @property
+    def mean_utilization(self) -> float:
+        return self._util_sum / self._util_samples if self._util_samples else 1.0

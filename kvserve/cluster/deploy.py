@@ -28,7 +28,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from kvserve.cache.kv_cache_manager import prompt_block_hashes
+from kvserve.cache.prefix_cache import prompt_block_hashes
 from kvserve.cluster import router_metrics, routers
 from kvserve.cluster.asgi import ForwardedRequest, ResponseStart, call_asgi
 from kvserve.cluster.config import ClusterConfig

@@ -16,8 +16,8 @@ from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams, greedy_tokens
-from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.engine.spec_decode import Proposal, Proposer
+from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -47,7 +47,7 @@ class DraftModelProposer(Proposer):
         self.kv_cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
                                      model.norm.dtype, device)
         self.kv = KVCacheManager(num_blocks, block_size)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv, device, layer_windows=config.layer_windows or None)
+        self.runner = ModelRunner(model, self.kv_cache, device, layer_windows=config.layer_windows or None)
         self.device = device
         self.max_chunk_tokens = max_chunk_tokens
         self.vocab_size = vocab_size  # drafts stay inside the target's vocabulary
@@ -101,6 +101,9 @@ class DraftModelProposer(Proposer):
     def _forward_and_draft(self, chunks: list[ScheduledChunk], finishing: list[tuple[int, Request]],
                            drafts: list[list[int]]) -> None:
         """One forward pass; each finishing sequence's last position drafts its next token."""
+        self.kv_cache.prepare(self.kv.take_storage_work())
+        for chunk in chunks:
+            chunk.blocks = self.kv.blocks_of(chunk.request.request_id)
         ordered, hidden = self.runner.forward(chunks)
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
@@ -115,7 +118,7 @@ class DraftModelProposer(Proposer):
 
     def free(self, request_id: str) -> None:
         if self.seqs.pop(request_id, None) is not None:
-            self.kv.free(request_id)
+            self.kv.forget(request_id)
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats()

@@ -15,7 +15,7 @@ import torch
 
 from kvserve.cache.huge_pages import weights_on_huge_pages
 from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
-from kvserve.cache.kv_cache_manager import KVCacheManager, StreamingWindow
+from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_disk import DiskTier, namespace
 from kvserve.cache.kv_format import (
     KVLayout,
@@ -34,6 +34,7 @@ from kvserve.cache.kv_groups import (
     layer_slots,
 )
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
+from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_scales import KVScales, model_fingerprint
 from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.cache.kv_tiers import TierIndex
@@ -43,9 +44,10 @@ from kvserve.engine.draft import DraftModelProposer, shallow_exit
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import ScheduledChunk, Scheduler
+from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.snapkv import snapkv_keep
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
+from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.int8_linear import Int8Embedding, fuse_norms_into_int8, quantize_linears, quantized_bytes
 from kvserve.model.llama import (
@@ -227,7 +229,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, preemption_mode=config.preemption_mode,
                                    reserve_full_prompt=config.scheduler_reserve_full_isl)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device,
                                   layer_groups(self.kv_groups, model_config.num_layers), model_config.layer_windows,
                                   cascade=not config.disable_cascade_attn)
         self.requests: dict[str, Request] = {}
@@ -409,7 +411,7 @@ class LLMEngine:
         self.runner.query_observer = lambda kv, q: queries.__setitem__(id(kv), q.detach().clone())
         request.num_computed_tokens = length - window
         try:
-            self.runner.forward([ScheduledChunk(request, window)])
+            self.runner.forward([ScheduledChunk(request, window, blocks=self.kv_manager.blocks_of(request.request_id))])
         finally:
             self.runner.query_observer = None
             request.num_computed_tokens = length
@@ -433,7 +435,7 @@ class LLMEngine:
         tokens. False if the pool is short (nothing changes)."""
         if self.streaming_refusal is not None:
             raise ConfigError(f"compacting a request's KV: {self.streaming_refusal}")
-        length = self.kv_manager.num_tokens[request.request_id]
+        length = self.kv_manager.num_tokens(request.request_id)
         moved = self.kv_manager.compact(request.request_id, int(index[0].shape[1]))
         if moved is None:
             return False
@@ -613,13 +615,14 @@ class LLMEngine:
         scratch = PagedKVCache(mcfg.num_layers, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device,
                                self.kv_quant)
         manager = KVCacheManager(blocks, bs, tail_blocks=self.tail_blocks)
-        runner = ModelRunner(self.model, scratch, manager, self.device)
+        runner = ModelRunner(self.model, scratch, self.device)
         dummy = Request("profile", [0] * tokens, SamplingParams(max_tokens=1), -1)
         manager.allocate_slots("profile", tokens)
+        scratch.prepare(manager.take_storage_work())
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        runner.execute([ScheduledChunk(dummy, tokens)])
+        runner.execute([ScheduledChunk(dummy, tokens, blocks=manager.blocks_of("profile"))])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch
@@ -687,12 +690,7 @@ class LLMEngine:
                 self.evict(request)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
-        moves = self.kv_manager.take_tier_moves()  # every step, even one with nothing to run
-        if moves is not None and any(moves):
-            self.kv_cache.zero_new_blocks(self.kv_manager.pool.max_block_id_used)  # before blocks are loaded
-            self.kv_cache.run_tier_moves(moves)
-        if scheduled.block_copies:
-            self.kv_cache.copy_blocks(scheduled.block_copies)
+        self.kv_cache.prepare(scheduled.storage)  # every step, even one with nothing to run
         chunks = scheduled.chunks
         if not chunks:
             return []

@@ -14,10 +14,9 @@ from collections.abc import Callable
 import torch
 
 from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, PagedKVCache, TailPlan
-from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling import SampleResult, TokenHistory, sample
-from kvserve.engine.scheduler import ScheduledChunk
 from kvserve.engine.spec_decode import verify
+from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.model.attention import (
     AttentionGroup,
     AttentionMetadata,
@@ -50,20 +49,22 @@ def _windowed(chunks: list[ScheduledChunk], window: int) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, kv_manager: KVCacheManager,
-                 device: torch.device, layer_groups: list[int] | None = None,
-                 layer_windows: list[int] | None = None, cascade: bool = True) -> None:
-        """``layer_groups[i]``: the KV cache group (kv_groups) of layer i (one group by default);
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
+                 layer_groups: list[int] | None = None, layer_windows: list[int] | None = None,
+                 cascade: bool = True) -> None:
+        """Runs chunks whose block tables the scheduler set (ScheduledChunk.blocks), on
+        ``kv_cache``'s storage, prepared for the step by the caller (PagedKVCache.prepare).
+        ``layer_groups[i]``: the KV cache group (kv_groups) of layer i (one group by default);
         ``layer_windows[i]``: its sliding window (0: full attention), which its group's spec
         equals unless every layer shares one full-attention group (then only masks apply it).
         ``cascade``: decode batches read a prefix all their sequences share once (Cascade)."""
         self.model = model
         self.kv_cache = kv_cache
-        self.kv = kv_manager
         self.device = device
-        self.block_size = kv_manager.block_size
+        self.block_size = kv_cache.block_size
         self.dtype = kv_cache.model_dtype
         self.layer_groups = layer_groups or [0] * model.config.num_layers
+        self.num_kv_groups = max(self.layer_groups) + 1
         self.layer_windows = layer_windows or [0] * model.config.num_layers
         # MLA's latent pool is read by paged_latent_attention with masks, never by the kernels
         self.latent = model.config.mla is not None
@@ -92,23 +93,17 @@ class ModelRunner:
             token_start += bucket[0].num_tokens * len(bucket)
         return groups
 
-    def _cache_len(self, chunk: ScheduledChunk) -> int:
-        """The chunk's sequence length in its cache after this step: its absolute length less
-        the tokens streaming eviction took out (rotary positions stay absolute)."""
-        request = chunk.request
-        return request.num_computed_tokens + chunk.num_tokens - self.kv.evicted_tokens(request.request_id)
-
     def _per_token_group(self, chunks: list[ScheduledChunk], kv_group: int) -> AttentionGroup:
         """One decode-kernel call for the leading ``chunks`` of the batch, one query per token:
         query i of a chunk of n sees the keys up to its own position (seq_len - n + 1 + i)."""
         counts = torch.tensor([c.num_tokens for c in chunks], device=self.device)
-        tables = [self.kv.block_ids(c.request.request_id, kv_group) for c in chunks]
+        tables = [c.kv.groups[kv_group].block_ids for c in chunks]
         width = max(len(ids) for ids in tables)
         block_tables = torch.tensor([ids + [0] * (width - len(ids)) for ids in tables], device=self.device)
-        seen = [self._cache_len(c) - c.num_tokens + 1 + i for c in chunks for i in range(c.num_tokens)]
+        seen = [c.cache_len - c.num_tokens + 1 + i for c in chunks for i in range(c.num_tokens)]
         tail_slots = None
         if self.kv_cache.uses_tail:
-            tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
+            tail_slots = torch.tensor([c.kv.groups[kv_group].tail_slot for c in chunks],
                                       device=self.device).repeat_interleave(counts)
         block_tables = block_tables.repeat_interleave(counts, dim=0)
         lens = torch.tensor(seen, device=self.device)
@@ -134,20 +129,20 @@ class ModelRunner:
         block on, and keys out of the window are masked (the kernels take no window: such calls
         use the torch path)."""
         query_len = chunks[0].num_tokens
-        seq_lens = [self._cache_len(c) for c in chunks]
+        seq_lens = [c.cache_len for c in chunks]
         windowed = _windowed(chunks, window)
         # a window that cuts into the sequences reads each table from its first live block; else
         # every key is in every query's window: the whole table, plain causal attention
-        live = [self.kv.live_blocks(c.request.request_id, kv_group) if windowed
-                else (0, self.kv.block_ids(c.request.request_id, kv_group)) for c in chunks]
+        tables = [c.kv.groups[kv_group] for c in chunks]
+        live = [(table.num_released, table.block_ids[table.num_released :]) if windowed else (0, table.block_ids)
+                for table in tables]
         width = max(len(ids) for _, ids in live)
         block_tables = torch.tensor([ids + [0] * (width - len(ids)) for _, ids in live], device=self.device)
         lens = torch.tensor(seq_lens, device=self.device)
         fresh = query_len > 1 and all(c.request.num_computed_tokens == 0 for c in chunks) and not windowed
         tail_slots = None
         if self.kv_cache.uses_tail:
-            tail_slots = torch.tensor([self.kv.tail_slot(c.request.request_id, kv_group) for c in chunks],
-                                      device=self.device)
+            tail_slots = torch.tensor([table.tail_slot for table in tables], device=self.device)
         if not windowed and (self.decode_kernel if query_len == 1 else self.prefill_kernel):
             # prefill chunks over one cached prefix (each chunk's own keys transposed once, not the prefix's)
             cascade = None
@@ -183,11 +178,9 @@ class ModelRunner:
         token = 0
         one_block = True  # every chunk within one block: the fused op writes all tokens to the tails
         for chunk in chunks:
-            request = chunk.request
-            end = self._cache_len(chunk)  # cache positions: eviction or compaction moved tokens up
+            end = chunk.cache_len  # cache positions: eviction or compaction moved tokens up
             start = end - chunk.num_tokens
-            slot = self.kv.tail_slot(request.request_id, kv_group)
-            table = self.kv.block_ids(request.request_id, kv_group)
+            slot, table = chunk.kv.groups[kv_group].tail_slot, chunk.kv.groups[kv_group].block_ids
             first_new = start // bs
             one_block = one_block and (end - 1) // bs == first_new
             if one_block:
@@ -277,9 +270,7 @@ class ModelRunner:
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
             input_ids += request.token_ids(start, end - len(chunk.draft_token_ids)) + chunk.draft_token_ids
             positions += range(start, end)
-        self.kv_cache.zero_new_blocks(self.kv.pool.max_block_id_used)
-        self.kv_cache.zero_tail_slots(self.kv.take_new_tail_slots())
-        writes = [self._write_index(ordered, group) for group in range(len(self.kv.groups))]
+        writes = [self._write_index(ordered, group) for group in range(self.num_kv_groups)]
         metas: dict[tuple[int, int], AttentionMetadata] = {}
         for group, window in zip(self.layer_groups, self.layer_windows, strict=True):
             if (group, window) not in metas:
@@ -302,7 +293,7 @@ class ModelRunner:
         slots: list[int] = []
         for chunk in ordered:
             start = chunk.request.num_computed_tokens
-            slots += self.kv.slot_mapping(chunk.request.request_id, start, start + chunk.num_tokens, kv_group)
+            slots += chunk.kv.slots(start, start + chunk.num_tokens, self.block_size, kv_group)
         slot_mapping = torch.tensor(slots, device=self.device)
         kv_heads = self.model.config.num_kv_heads
         write = KVWriteIndex(

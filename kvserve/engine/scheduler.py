@@ -16,40 +16,12 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from kvserve.cache.kv_cache_manager import CachedPrefix, KVCacheManager
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.prefix_cache import CachedPrefix
 from kvserve.config import SCHEDULING_POLICIES
 from kvserve.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    num_tokens: int  # tokens computed for this request this step (drafts included)
-    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens verified after the real ones
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True if after this step every known token is in the cache, so we sample."""
-        real = self.num_tokens - len(self.draft_token_ids)
-        return self.request.num_computed_tokens + real == self.request.num_tokens
-
-
-class SchedulerOutput(NamedTuple):
-    """One step's decisions. The engine runs ``block_copies`` (source, destination block ids
-    inside the pool; no policy asks for any yet: moves between tiers go through the
-    KVCacheManager) before the forward pass, then the chunks, and counts ``preempted``
-    (requests recomputed or swapped out this step, newest first)."""
-
-    chunks: list[ScheduledChunk]
-    preempted: list[Request]
-    block_copies: list[tuple[int, int]]
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
+from kvserve.engine.step_plan import ScheduledChunk, StepPlan
 
 
 class Scheduler:
@@ -116,7 +88,14 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def schedule(self) -> SchedulerOutput:
+    def _plan(self, chunks: list[ScheduledChunk], victims: list[Request]) -> StepPlan:
+        """The step's plan, once every allocation of the step is made: each chunk's tables as
+        they now stand, and the storage work the allocations left."""
+        for chunk in chunks:
+            chunk.blocks = self.kv.blocks_of(chunk.request.request_id)
+        return StepPlan(chunks, victims, self.kv.take_storage_work())
+
+    def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         victims: list[Request] = []
@@ -146,7 +125,7 @@ class Scheduler:
             chunks += self._swap_in(budget)
             budget = self.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
             if self.swapped:
-                return SchedulerOutput(chunks, victims, [])  # the swapped go before anyone new
+                return self._plan(chunks, victims)  # the swapped go before anyone new
         lpm = self.policy == "lpm" and len(self.waiting) > 1
         if lpm and not preempted and len(self.running) < self.max_num_seqs:
             self._order_by_cached_prefix()
@@ -171,7 +150,7 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
-        return SchedulerOutput(chunks, victims, [])
+        return self._plan(chunks, victims)
 
     def _prompt_fits(self, request: Request, cached: CachedPrefix) -> bool:
         """Admission control: the pool holds the request's whole prompt besides what the running
@@ -202,7 +181,6 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-        self.kv.free(request.request_id)
         self.kv.forget(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -21,13 +21,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvserve.cache.kv_cache_manager import cdiv
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
+from kvserve.cache.kv_groups import cdiv
 from kvserve.config import KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import ScheduledChunk
+from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.llm import chat_token_ids
 from kvserve.quant.data import read_samples, token_stream
 
@@ -119,7 +119,8 @@ def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
             if not kv.allocate_slots(request.request_id, end):
                 raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
             engine.model.extend_rope(end)
-            _, hidden = engine.runner.forward([ScheduledChunk(request, end - start)])
+            engine.kv_cache.prepare(kv.take_storage_work())
+            _, hidden = engine.runner.forward([ScheduledChunk(request, end - start, blocks=kv.blocks_of("eval"))])
             request.num_computed_tokens = end
             if end == prompt_len and compression is not None:
                 engine.compress_prompt(request, compression)
@@ -127,7 +128,7 @@ def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
                 logprobs = torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
             yield start, logprobs
     finally:
-        kv.free(request.request_id)
+        kv.forget(request.request_id)
 
 
 def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
