@@ -338,7 +338,8 @@ def kvserve_press(llm: LLM, method: str, ratio: float, sample: dict[str, Any],
     answer = generated if answer is None else answer
     engine = llm.engine
     if window is not None:
-        engine.kv_manager.set_window("eval", engine.request_window(params))
+        pool_blocks = engine.kv_manager.pool.num_usable_blocks
+        engine.kv_manager.set_window("eval", engine.eviction.request_window(params, pool_blocks))
     tokens = prompt + answer[:-1]
     kept, rows = len(prompt), []
     for start, logprobs in chunk_logprobs(engine, tokens, len(tokens), prompt_len=len(prompt)):

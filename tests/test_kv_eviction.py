@@ -332,7 +332,7 @@ def test_compaction_keeps_any_tokens_per_layer_and_head(tiny_model_factory: Call
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     request = engine.add_request(p, params)
     outputs = engine.step()  # the prompt's prefill and the first token
-    assert request.num_computed_tokens == 40 and engine.compact(request, index)
+    assert request.num_computed_tokens == 40 and engine.snapkv.compact(request, index)
     check_manager(engine.kv_manager)
     assert len(engine.kv_manager.block_ids(request.request_id)) == -(-keep // 8)
     while engine.has_unfinished_requests():
@@ -362,7 +362,7 @@ def test_compaction_that_keeps_everything_changes_nothing_in_quantized_pools(
     request = engine.add_request(p, params)
     outputs = engine.step()
     everything = torch.arange(43).expand(engine.model_config.num_kv_heads, 43)
-    assert engine.compact(request, [everything] * engine.model_config.num_layers)
+    assert engine.snapkv.compact(request, [everything] * engine.model_config.num_layers)
     while engine.has_unfinished_requests():
         outputs = engine.step()
         check_manager(engine.kv_manager)
@@ -414,13 +414,13 @@ def test_snapkv_compresses_each_prompt_once(tiny_model_factory: Callable[..., Pa
     engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
                                     kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=8))
     indices: dict[str, list[torch.Tensor]] = {}
-    compact = engine.compact
+    compact = engine.snapkv.compact
 
     def recording(request: Any, index: list[torch.Tensor]) -> bool:
         indices[request.request_id] = index
         return compact(request, index)
 
-    engine.compact = recording  # type: ignore[method-assign]
+    engine.snapkv.compact = recording  # type: ignore[method-assign]
     outputs = run_checked(engine, prompts, 24)
     if ratio == 1.0:
         plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB")
@@ -444,14 +444,14 @@ def test_per_layer_compression_keeps_one_set_for_all_heads(tiny_model_factory: C
         engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
                                         kv_eviction="snapkv", kv_compression_ratio=0.5, kv_observation_window=8,
                                         kv_compression_per_layer=per_layer))
-        compact, chosen[per_layer] = engine.compact, []
+        compact, chosen[per_layer] = engine.snapkv.compact, []
 
         def recording(request: Any, index: list[torch.Tensor], compact: Any = compact,
                       record: list[list[torch.Tensor]] = chosen[per_layer]) -> bool:
             record.append(index)
             return compact(request, index)
 
-        engine.compact = recording  # type: ignore[method-assign]
+        engine.snapkv.compact = recording  # type: ignore[method-assign]
         assert [len(o) for o in run_checked(engine, prompts, 8)] == [8, 8]
     assert all(bool((layer == layer[:1]).all()) for index in chosen[True] for layer in index)
     assert any(not bool((layer == layer[:1]).all()) for index in chosen[False] for layer in index)
@@ -471,8 +471,8 @@ def test_snapkv_selection_matches_hf_attention(tiny_model_factory: Callable[...,
     engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
                                     kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=window))
     captured: list[list[torch.Tensor]] = []
-    compact = engine.compact
-    engine.compact = lambda request, index: captured.append(index) or compact(request, index)  # type: ignore
+    compact = engine.snapkv.compact
+    engine.snapkv.compact = lambda request, index: captured.append(index) or compact(request, index)  # type: ignore
     run_checked(engine, [p], 2)
     with torch.no_grad():
         attentions = hf(input_ids=torch.tensor([p]), output_attentions=True).attentions

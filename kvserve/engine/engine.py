@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,22 +40,21 @@ from kvserve.cache.kv_tiers import TierIndex
 from kvserve.config import ConfigError, EngineConfig, SpeculativeConfig, device_total_memory, format_bytes
 from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.engine.draft import DraftModelProposer, shallow_exit
+from kvserve.engine.eviction import KVEviction
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.request import Request
+from kvserve.engine.request import InvalidRequestError, Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.snapkv import snapkv_keep
+from kvserve.engine.snapkv import SnapKVHook
 from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.engine.step_plan import ScheduledChunk
+from kvserve.engine.streaming import StreamingHook
 from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.int8_linear import Int8Embedding, fuse_norms_into_int8, quantize_linears, quantized_bytes
 from kvserve.model.llama import (
     LlamaForCausalLM,
-    apply_rope,
     fuse_swiglu,
     pack_linears_for_cpu,
-    rope_at,
-    rope_inv_freq,
     weights_uninitialized,
 )
 from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
@@ -118,15 +116,6 @@ class DraftModel(NamedTuple):
     model: LlamaForCausalLM  # a model of its own, or the target's shallow exit (weights shared)
     weight_bytes: int  # what it adds to the target's weights
     relative_cost: float  # one draft token's forward pass, in target decode steps (by weights or layers)
-
-
-class InvalidRequestError(ValueError):
-    """A request was rejected at submission; the message names the bad value (``param``: the
-    request field at fault, where one is)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -203,6 +192,10 @@ class LLMEngine:
         self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
         self.kv_tail_bytes = self.tail_blocks * self.kv_block_bytes
         self.draft = self._draft_model()
+        self.eviction = KVEviction(config, self._eviction_refusal(), self.tail_blocks)
+        if self.eviction.default_window is not None and config.enable_prefix_caching:
+            logger.info("kv_eviction=streaming: streaming requests neither share nor reuse cached prefix blocks "
+                        "(their sink blocks are turned in place)")
         self.draft_num_blocks = 0  # set by _size_pool when a draft model keeps its own KV pool
         self.num_blocks = self._size_pool()
         self.kv_cache = PagedKVCache(
@@ -214,18 +207,10 @@ class LLMEngine:
         disk_tier = self._disk_tier()
         if host_tier is not None:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
-        self.streaming_refusal = self._streaming_refusal()
-        self.streaming = self._streaming_window()
-        if config.kv_eviction == "snapkv" and self.streaming_refusal is not None:
-            raise ConfigError(f"kv_eviction=snapkv: {self.streaming_refusal}")
-        self._compression: dict[str, float] = {}  # snapkv: each compressing request's kept fraction
-        self._prompts_scored: set[str] = set()  # snapkv: requests whose prefill was compressed (or kept whole)
-        self._sink_keys: dict[str, list[torch.Tensor]] = {}  # streaming: each request's sink keys as written
-        self._inv_freq: torch.Tensor | None = None
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                          self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
                                          [group.spec for group in self.kv_groups], config.max_num_batched_tokens,
-                                         self.streaming)
+                                         self.eviction.default_window)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, preemption_mode=config.preemption_mode,
                                    reserve_full_prompt=config.scheduler_reserve_full_isl)
@@ -241,6 +226,10 @@ class LLMEngine:
         if model_config.is_gemma and self.tokenizer is not None:  # a chat turn ends with <end_of_turn>
             self.eos_token_ids.add(self.tokenizer.convert_tokens_to_ids("<end_of_turn>"))
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
+        # the features that act at named points of the step, each owning its per-request state
+        self.streaming_hook = StreamingHook(self.model, self.kv_cache, self.kv_manager, self.device)
+        self.snapkv = SnapKVHook(self.runner, self.kv_cache, self.kv_manager, config.kv_observation_window,
+                                 config.kv_compression_per_layer, self.eviction.refusal)
         self.spec = self._spec_decoder()
 
     def _draft_model(self) -> DraftModel | None:
@@ -292,156 +281,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ start-up sizing
 
-    def _streaming_refusal(self) -> str | None:
-        """Why this engine cannot stream any request (None: it can)."""
-        cfg = self.config
+    def _eviction_refusal(self) -> str | None:
+        """Why this engine cannot evict (stream or compact) any request's KV (None: it can)."""
         if self.model_config.mla is not None or len(self.kv_groups) != 1 or any(self.model_config.layer_windows):
             return "MLA and sliding-window models are not supported yet"
-        if cfg.speculative_config is not None:
+        if self.config.speculative_config is not None:
             return "speculative decoding does not combine with it yet"
         return None
 
-    def _streaming_window(self) -> StreamingWindow | None:
-        """kv_eviction=streaming's window, the default of every request (else a ConfigError)."""
-        cfg = self.config
-        if cfg.kv_eviction != "streaming":
-            return None
-        if self.streaming_refusal is not None:
-            raise ConfigError(f"kv_eviction=streaming: {self.streaming_refusal}")
-        if cfg.enable_prefix_caching:
-            logger.info("kv_eviction=streaming: streaming requests neither share nor reuse cached prefix blocks "
-                        "(their sink blocks are turned in place)")
-        return StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window)
-
-    def streams(self, kv_eviction: str | None) -> bool:
-        """A request asking for ``kv_eviction`` (None: the engine's default) streams."""
-        return kv_eviction == "streaming" or (kv_eviction is None and self.streaming is not None)
-
-    def request_window(self, params: SamplingParams) -> StreamingWindow | None:
-        """The request's streaming window: its own kv_eviction settings within the engine's
-        (a window at most kv_window), else the engine's default."""
-        cfg = self.config
-        if params.kv_eviction is None and params.kv_window is None and params.kv_sink_tokens is None:
-            return self.streaming
-        if not self.streams(params.kv_eviction):
-            if params.kv_window is None and params.kv_sink_tokens is None:  # none or snapkv
-                return None
-            raise InvalidRequestError("kv_window and kv_sink_tokens need kv_eviction=streaming (this server "
-                                      "does not stream by default)", param="kv_eviction")
-        if self.streaming_refusal is not None:
-            raise InvalidRequestError(f"kv_eviction=streaming is not available here: {self.streaming_refusal}",
-                                      param="kv_eviction")
-        window = StreamingWindow(cfg.kv_sink_tokens if params.kv_sink_tokens is None else params.kv_sink_tokens,
-                                 cfg.kv_window if params.kv_window is None else params.kv_window)
-        for name, value in (("kv_window", window.window), ("kv_sink_tokens", window.sink_tokens)):
-            if value > cfg.kv_window:
-                raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={cfg.kv_window}",
-                                          param=name)
-        held = self._streaming_blocks(window)
-        if held > self.kv_manager.pool.num_usable_blocks:
-            raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "
-                                      f"{self.kv_manager.pool.num_usable_blocks}")
-        return window
-
-    def request_compression(self, params: SamplingParams) -> float | None:
-        """The fraction of the request's prompt SnapKV keeps after its prefill (None: it keeps
-        all): its own kv_compression_ratio, at least the engine's (the most it lets a request
-        drop), else the engine's when kv_eviction=snapkv."""
-        cfg = self.config
-        if params.kv_eviction is None and params.kv_compression_ratio is None:
-            return cfg.kv_compression_ratio if cfg.kv_eviction == "snapkv" else None
-        wanted = params.kv_eviction or cfg.kv_eviction
-        if wanted != "snapkv":
-            if params.kv_compression_ratio is None:
-                return None
-            raise InvalidRequestError(f"kv_compression_ratio needs kv_eviction=snapkv (this request's is "
-                                      f"{wanted})", param="kv_compression_ratio")
-        if self.streaming_refusal is not None:
-            raise InvalidRequestError(f"kv_eviction=snapkv is not available here: {self.streaming_refusal}",
-                                      param="kv_eviction")
-        ratio = cfg.kv_compression_ratio if params.kv_compression_ratio is None else params.kv_compression_ratio
-        if ratio < cfg.kv_compression_ratio:
-            raise InvalidRequestError(f"kv_compression_ratio={ratio} keeps less of the prompt than this server's "
-                                      f"kv_compression_ratio={cfg.kv_compression_ratio} allows",
-                                      param="kv_compression_ratio")
-        return ratio
-
-    def _streaming_blocks(self, window: StreamingWindow) -> int:
-        """Pool blocks one request streaming with ``window`` holds at most (with a prefill chunk
-        of max_num_batched_tokens in flight)."""
-        return window.blocks_held(self.config.block_size, self.config.max_num_batched_tokens) + self.tail_blocks
-
-    def evict(self, request: Request) -> None:
-        """Streaming: free the request's blocks between its sinks and the window of its next
-        token, and turn its sink keys to their new cache positions (from the keys as first
-        written, so that rounding never accumulates). The last sink block's spare slots then take
-        the tokens just before the window from the last block freed (before anything can reuse
-        it): their absolute positions are already right there, and the prompt's first tokens past
-        the sinks would cost quality (measured against kvpress). The sink blocks are rewritten
-        whole, once: a quantized block is re-quantized with scales fitted to its new keys and
-        spare slots. Before a step computes the request."""
-        eviction = self.kv_manager.evict(request.request_id, request.num_computed_tokens)
-        if eviction is None:
-            return
-        sinks = self.kv_cache.read_blocks(eviction.sink_block_ids)
-        kv_heads = self.model_config.num_kv_heads
-        if eviction.first:
-            self._sink_keys[request.request_id] = [blocks[:, :kv_heads].clone() for blocks in sinks]
-        if self._inv_freq is None:
-            self._inv_freq = rope_inv_freq(self.model_config).to(self.device)
-        cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), self._inv_freq)
-        donor = None if eviction.donor_block_id is None else self.kv_cache.read_blocks([eviction.donor_block_id])
-        for layer, (blocks, keys) in enumerate(zip(sinks, self._sink_keys[request.request_id], strict=True)):
-            blocks[:, :kv_heads] = apply_rope(keys, cos[0], signed_sin[0])
-            if donor is not None:
-                blocks[-1, :, eviction.spare_from :] = donor[layer][0, :, eviction.spare_from :]
-        self.kv_cache.write_blocks(eviction.sink_block_ids, sinks)
-
-    def compress_prompt(self, request: Request, ratio: float) -> bool:
-        """SnapKV, right after the request's prefill: recompute the last kv_observation_window
-        tokens' queries (reading their K/V as cached, never rewriting them: the blocks may be
-        published), score the prompt per KV head and keep ``ratio`` of it. False when nothing was
-        dropped (a short prompt, a ratio of 1, or no pool room for the copy)."""
-        cfg, length = self.config, request.num_computed_tokens
-        window = min(cfg.kv_observation_window, length)
-        keep = max(window, math.ceil(length * ratio))
-        if keep >= length:
-            return False
-        queries: dict[int, torch.Tensor] = {}
-        self.runner.query_observer = lambda kv, q: queries.__setitem__(id(kv), q.detach().clone())
-        request.num_computed_tokens = length - window
-        try:
-            self.runner.forward([ScheduledChunk(request, window, blocks=self.kv_manager.blocks_of(request.request_id))])
-        finally:
-            self.runner.query_observer = None
-            request.num_computed_tokens = length
-        kv_heads = self.model_config.num_kv_heads
-        tokens = self.kv_cache.read_tokens(self.kv_manager.block_ids(request.request_id), length,
-                                           self._tail_slot(request))
-        index = [snapkv_keep(queries[id(kv)], cached[:kv_heads].transpose(0, 1), keep, layer.scale,
-                             per_head=not cfg.kv_compression_per_layer)
-                 for kv, cached, layer in zip(self.kv_cache.layers, tokens, self.model.decoder_layers, strict=True)]
-        return self.compact(request, index)
-
-    def _tail_slot(self, request: Request) -> int:
-        """The request's tail slot, for formats that keep its partial last block there (else 0)."""
-        return self.kv_manager.tail_slot(request.request_id) if self.kv_cache.uses_tail else 0
-
-    def compact(self, request: Request, index: list[torch.Tensor]) -> bool:
-        """Keep only some of the request's cached tokens: in model layer l's storage, head h keeps
-        tokens index[l][h] (sorted positions among those cached; every head as many). Queries
-        and kept keys stay at their absolute rotary positions, so their distances are right
-        without re-rotation. Quantized blocks are re-quantized with scales fitted to the kept
-        tokens. False if the pool is short (nothing changes)."""
-        if self.streaming_refusal is not None:
-            raise ConfigError(f"compacting a request's KV: {self.streaming_refusal}")
-        length = self.kv_manager.num_tokens(request.request_id)
-        moved = self.kv_manager.compact(request.request_id, int(index[0].shape[1]))
-        if moved is None:
-            return False
-        self.kv_cache.zero_new_blocks(self.kv_manager.pool.max_block_id_used)
-        self.kv_cache.gather_tokens(*moved, index, length, self._tail_slot(request))
-        return True
+    @property
+    def streaming(self) -> StreamingWindow | None:
+        """Every request's streaming window unless it asks otherwise (kv_eviction=streaming)."""
+        return self.eviction.default_window
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -525,7 +376,7 @@ class LLMEngine:
         capacity = capacity_tokens([g.spec for g in self.kv_groups], num_blocks - 1, cfg.block_size,
                                    cfg.max_num_batched_tokens, self.tail_blocks)
         if cfg.kv_eviction == "streaming":  # a request holds its sinks and window, however long it grows
-            held = self._streaming_blocks(StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window))
+            held = self.eviction.streaming_blocks(StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window))
             if held > num_blocks - 1:
                 raise ConfigError(f"{source} holds {num_blocks - 1} blocks, fewer than the {held} one streaming "
                                   f"request needs (kv_window={cfg.kv_window} plus a chunk of "
@@ -650,8 +501,8 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
-        window = self.request_window(params)
-        compression = self.request_compression(params)
+        window = self.eviction.request_window(params, self.kv_manager.pool.num_usable_blocks)
+        compression = self.eviction.request_compression(params)
         if window is None and not self.kv_manager.can_ever_fit(len(token_ids)):
             raise InvalidRequestError(
                 f"prompt of {len(token_ids)} tokens can never fit in the KV pool "
@@ -660,10 +511,9 @@ class LLMEngine:
         request_id = request_id or f"req-{arrival}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if window != self.streaming:
+        if window != self.eviction.default_window:
             self.kv_manager.set_window(request_id, window)
-        if compression is not None:
-            self._compression[request_id] = compression
+        self.snapkv.add(request_id, compression)
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator().manual_seed(params.seed)
@@ -685,9 +535,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that advanced."""
-        if self.kv_manager.streams:
-            for request in self.scheduler.running:
-                self.evict(request)
+        self.streaming_hook.before_step(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         self.kv_cache.prepare(scheduled.storage)  # every step, even one with nothing to run
@@ -695,12 +543,10 @@ class LLMEngine:
         if not chunks:
             return []
         for victim in scheduled.preempted:
-            if victim.num_computed_tokens == 0:  # recomputed: its prefill is compressed again
-                self._prompts_scored.discard(victim.request_id)
+            self.snapkv.preempted(victim)
             if self.spec is not None:
                 self.spec.proposer.free(victim.request_id)
-        if self.kv_manager.streams:  # a streaming sequence may outgrow the model's rotary tables
-            self.model.extend_rope(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
+        self.streaming_hook.before_forward(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
         sampled = self.runner.execute(chunks)
         self.kv_manager.record_step()  # peak figures as held during the forward pass
         self._watch_drift()
@@ -733,13 +579,7 @@ class LLMEngine:
                     self.requests.pop(request.request_id, None)
                     break
             outputs.append(self._output(request, new_tokens, previous_text))
-        if self._compression:
-            for chunk, _ in sampled:  # prefills just completed: compress their prompts once
-                request = chunk.request
-                ratio = self._compression.get(request.request_id)
-                if ratio is not None and not request.finished and request.request_id not in self._prompts_scored:
-                    self._prompts_scored.add(request.request_id)
-                    self.compress_prompt(request, ratio)
+        self.snapkv.after_step([chunk.request for chunk, _ in sampled])
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         return outputs
@@ -801,9 +641,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
-        self._sink_keys.pop(request.request_id, None)
-        self._prompts_scored.discard(request.request_id)
-        self._compression.pop(request.request_id, None)
+        self.streaming_hook.finish(request.request_id)
+        self.snapkv.finish(request.request_id)
         if self.spec is not None:
             self.spec.free(request.request_id)
 

@@ -11,6 +11,15 @@ import torch
 from kvserve.engine.sampling import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """A request was rejected at submission; the message names the bad value (``param``: the
+    request field at fault, where one is)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

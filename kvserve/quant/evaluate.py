@@ -109,13 +109,13 @@ def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
     ``prompt_len`` tokens are the prompt: chunks end at its end, and an engine with
     kv_eviction=snapkv then compresses it as it compresses a served prompt after its prefill."""
     request = Request("eval", list(tokens), SamplingParams(max_tokens=1), -1)
-    compression = engine.request_compression(request.params)
+    compression = engine.eviction.request_compression(request.params)
     kv = engine.kv_manager
     starts = [*range(0, prompt_len, chunk), *range(prompt_len, len(tokens), chunk)]
     try:
         for start, end in zip(starts, [*starts[1:], len(tokens)], strict=True):
             if engine.kv_manager.window_of(request.request_id) is not None:
-                engine.evict(request)
+                engine.streaming_hook.evict(request)
             if not kv.allocate_slots(request.request_id, end):
                 raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
             engine.model.extend_rope(end)
@@ -123,7 +123,7 @@ def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
             _, hidden = engine.runner.forward([ScheduledChunk(request, end - start, blocks=kv.blocks_of("eval"))])
             request.num_computed_tokens = end
             if end == prompt_len and compression is not None:
-                engine.compress_prompt(request, compression)
+                engine.snapkv.compress_prompt(request, compression)
             with torch.inference_mode():  # hidden is an inference tensor (the runner's forward)
                 logprobs = torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
             yield start, logprobs

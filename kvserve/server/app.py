@@ -170,7 +170,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         param = body.max_tokens_field()
         # a streaming request's attention stays within its window: it may generate past max_model_len,
         # up to the server's --max-streaming-tokens
-        if engine.engine.streams(body.kv_eviction):
+        if engine.engine.eviction.streams(body.kv_eviction):
             if requested is not None and requested > config.max_streaming_tokens:
                 raise APIError(400, f"{param}={requested} is more than the server's max_streaming_tokens="
                                f"{config.max_streaming_tokens} for a request with kv_eviction=streaming", param=param)

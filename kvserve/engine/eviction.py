@@ -1,0 +1,82 @@
+"""The engine's KV eviction settings (kv_eviction: none, streaming, snapkv) and each request's
+own within them: its streaming window or SnapKV's kept fraction, refused with the field named
+where the request asks for more than the engine allows or the model cannot do."""
+
+from __future__ import annotations
+
+from kvserve.cache.kv_retention import StreamingWindow
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.engine.request import InvalidRequestError
+from kvserve.engine.sampling import SamplingParams
+
+
+class KVEviction:
+    """``refusal``: why this engine cannot evict at all (None: it can); ``tail_blocks``: the pool
+    blocks a sequence's tail run takes (a streaming request holds one besides its window)."""
+
+    def __init__(self, config: EngineConfig, refusal: str | None, tail_blocks: int) -> None:
+        self.config, self.refusal, self.tail_blocks = config, refusal, tail_blocks
+        if config.kv_eviction in ("streaming", "snapkv") and refusal is not None:
+            raise ConfigError(f"kv_eviction={config.kv_eviction}: {refusal}")
+        # the default window of every request (kv_eviction=streaming)
+        self.default_window = (StreamingWindow(config.kv_sink_tokens, config.kv_window)
+                               if config.kv_eviction == "streaming" else None)
+
+    def streams(self, kv_eviction: str | None) -> bool:
+        """A request asking for ``kv_eviction`` (None: the engine's default) streams."""
+        return kv_eviction == "streaming" or (kv_eviction is None and self.default_window is not None)
+
+    def streaming_blocks(self, window: StreamingWindow) -> int:
+        """Pool blocks one request streaming with ``window`` holds at most (with a prefill chunk
+        of max_num_batched_tokens in flight)."""
+        return window.blocks_held(self.config.block_size, self.config.max_num_batched_tokens) + self.tail_blocks
+
+    def _refuse(self, kind: str) -> None:
+        if self.refusal is not None:
+            raise InvalidRequestError(f"kv_eviction={kind} is not available here: {self.refusal}",
+                                      param="kv_eviction")
+
+    def request_window(self, params: SamplingParams, pool_blocks: int) -> StreamingWindow | None:
+        """The request's streaming window: its own kv_eviction settings within the engine's (a
+        window at most kv_window), else the engine's default."""
+        cfg = self.config
+        if params.kv_eviction is None and params.kv_window is None and params.kv_sink_tokens is None:
+            return self.default_window
+        if not self.streams(params.kv_eviction):
+            if params.kv_window is None and params.kv_sink_tokens is None:  # none or snapkv
+                return None
+            raise InvalidRequestError("kv_window and kv_sink_tokens need kv_eviction=streaming (this server "
+                                      "does not stream by default)", param="kv_eviction")
+        self._refuse("streaming")
+        window = StreamingWindow(cfg.kv_sink_tokens if params.kv_sink_tokens is None else params.kv_sink_tokens,
+                                 cfg.kv_window if params.kv_window is None else params.kv_window)
+        for name, value in (("kv_window", window.window), ("kv_sink_tokens", window.sink_tokens)):
+            if value > cfg.kv_window:
+                raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={cfg.kv_window}",
+                                          param=name)
+        held = self.streaming_blocks(window)
+        if held > pool_blocks:
+            raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "
+                                      f"{pool_blocks}")
+        return window
+
+    def request_compression(self, params: SamplingParams) -> float | None:
+        """The fraction of the request's prompt SnapKV keeps after its prefill (None: it keeps
+        all): its own kv_compression_ratio, at least the engine's (the most it lets a request
+        drop), else the engine's when kv_eviction=snapkv."""
+        cfg = self.config
+        if params.kv_eviction is None and params.kv_compression_ratio is None:
+            return cfg.kv_compression_ratio if cfg.kv_eviction == "snapkv" else None
+        wanted = params.kv_eviction or cfg.kv_eviction
+        if wanted != "snapkv":
+            if params.kv_compression_ratio is None:
+                return None
+            raise InvalidRequestError(f"kv_compression_ratio needs kv_eviction=snapkv (this request's is "
+                                      f"{wanted})", param="kv_compression_ratio")
+        self._refuse("snapkv")
+        ratio = cfg.kv_compression_ratio if params.kv_compression_ratio is None else params.kv_compression_ratio
+        if ratio < cfg.kv_compression_ratio:
+            raise InvalidRequestError(f"kv_compression_ratio={ratio} keeps less of the prompt than this server's "
+                                      f"kv_compression_ratio={cfg.kv_compression_ratio} allows",
+                                      param="kv_compression_ratio")
+        return ratio
