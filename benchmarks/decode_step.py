@@ -35,7 +35,7 @@ from kv_quant_throughput import start_decoding, time_decode_steps
 from workloads import cpu_name, page_choice
 
 from kvserve import LLM
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from decode_bandwidth import DIM, HEADS, KV_HEADS, LAYERS, best_of, decode_step
 from workloads import cpu_name, long_context
 
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.llama import PackedLinear
 

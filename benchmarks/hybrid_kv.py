@@ -35,7 +35,8 @@ from throughput import vllm_prompts_result
 from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.plan.planner import plan
 from kvserve.plan.spec import ModelSpec
 

@@ -30,7 +30,7 @@ from kv_quant_throughput import decode_steps
 from workloads import WORKLOADS, cpu_name
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def uniform_seconds(llm: LLM) -> float:

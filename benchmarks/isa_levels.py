@@ -28,7 +28,7 @@ from int8_weights import uniform_seconds
 from workloads import cpu_name
 
 from kvserve import LLM
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 from kvserve.model.cpu_build import IsaLevel
 from kvserve.model.cpu_kernels import cpu_flags, runnable_levels, use_isa
 

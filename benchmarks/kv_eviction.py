@@ -80,7 +80,8 @@ from workloads import cpu_name
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_groups import cdiv
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, load_model
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import load_model
 from kvserve.engine.sampling import SamplingParams
 from kvserve.llm import LLM, chat_token_ids
 from kvserve.model.llama import apply_rope, rope_at, rope_inv_freq
@@ -190,7 +191,8 @@ def ppl_curve(num_tokens: int, out: Path | None, chunk: int = 32, window: int = 
         engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_memory="2GiB",
                                         enable_prefix_caching=False, max_num_batched_tokens=chunk, **kwargs),
                            loaded=loaded)
-        bound = engine.streaming.blocks_held(16, chunk) if engine.streaming is not None else None
+        window = engine.eviction.default_window
+        bound = window.blocks_held(16, chunk) if window is not None else None
         curves[name] = nll_curve(engine, tokens[:length], chunk, bound)
     bucket = 1024
     table = bucket_means(curves, bucket)
@@ -219,7 +221,8 @@ def generate_curve(num_tokens: int, out: Path | None, window: int = 1024) -> Non
         total = num_tokens if kwargs else limit - len(prompt)
         params = SamplingParams(max_tokens=total, temperature=1.0, seed=0, ignore_eos=True, logprobs=0)
         engine = llm.engine
-        bound = engine.streaming.blocks_held(16) if engine.streaming is not None else None
+        window = engine.eviction.default_window
+        bound = window.blocks_held(16) if window is not None else None
         blocks: list[int] = []
         request = engine.add_request(prompt, params)
         with tqdm(total=total, desc=name, unit="tok", mininterval=10) as bar:

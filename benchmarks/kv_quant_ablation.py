@@ -20,7 +20,8 @@ import torch
 
 from kvserve.cache.kv_quant import hadamard
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, load_model
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import load_model
 from kvserve.quant.data import python_reference
 from kvserve.quant.evaluate import next_token_logprobs
 

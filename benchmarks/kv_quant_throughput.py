@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def workload(seed: int, requests: int, prompt_len: int) -> list[list[int]]:

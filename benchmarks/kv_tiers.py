@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def doc_qa(num_docs: int, doc_len: int, questions: int, vocab: int) -> list[tuple[list[int], bool]]:

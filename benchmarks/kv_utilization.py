@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import mixed
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def run(loaded: Any, block_size: int, budget: str, max_model_len: int) -> dict[str, Any]:

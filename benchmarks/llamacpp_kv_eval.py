@@ -25,7 +25,7 @@ from typing import Any
 def export(out: str, num_tokens: int, context: int) -> None:
     import torch
 
-    from kvserve.engine.engine import load_model
+    from kvserve.engine.loading import load_model
     from kvserve.quant.data import read_samples, token_stream
 
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)

@@ -28,7 +28,7 @@ from throughput import export_hf_folder, vllm_prompts_result
 from workloads import top_ops
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import WORKLOADS
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ from throughput import export_hf_folder, vllm_prompts_result
 from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.quant.data import stdlib_docstrings
 
 CHAT = ["Write a short story about a robot who learns to paint.", "What are three tips for a job interview?",

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import WORKLOADS, Workload
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import load_model
+from kvserve.engine.loading import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--hf-folder", default="bench_out/smollm2-135m-hf")
     parser.add_argument("--out", type=Path, default=Path("docs/results/tuning"))
     args = parser.parse_args()
-    from kvserve.engine.engine import load_model
+    from kvserve.engine.loading import load_model
 
     args.out.mkdir(parents=True, exist_ok=True)
     import torch

@@ -2,7 +2,9 @@
 
 from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.config import ConfigError, EngineConfig
-from kvserve.engine.engine import InvalidRequestError, LLMEngine, RequestOutput
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.output import RequestOutput
+from kvserve.engine.request import InvalidRequestError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.llm import LLM
 

@@ -9,7 +9,9 @@ from typing import Any, cast
 
 from kvserve.cache.kv_stats import KVCacheStats
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, LoadedModel, RequestOutput
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import LoadedModel
+from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]

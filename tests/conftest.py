@@ -18,7 +18,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from kvserve.engine.engine import LoadedModel, load_model  # noqa: E402
+from kvserve.engine.loading import LoadedModel, load_model  # noqa: E402
 from kvserve.model.cpu_build import LEVEL_NAMES, LEVELS, build_state, level  # noqa: E402
 from kvserve.model.cpu_kernels import cpu_kernels, missing_flags, use_isa  # noqa: E402
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.loading import LoadedModel
 from kvserve.engine.request import Request
 from tests.conftest import first_divergence_is_near_tie, hf_greedy
 
@@ -101,7 +101,7 @@ def test_streamed_text_is_incremental_and_exact(smollm: LoadedModel) -> None:
     request = Request("r", [1], SamplingParams(), 0)
     for token in ids:
         request.output_token_ids.append(token)
-        llm.engine._detokenize(request)
+        llm.engine.outputs.detokenize(request)
         assert not request.output_text.endswith("\ufffd")
         assert tokenizer.decode(request.output_token_ids).startswith(request.output_text)
     assert request.output_text == tokenizer.decode(ids)

@@ -16,7 +16,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, group_layers
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.loading import LoadedModel
 from kvserve.plan.planner import plan
 from kvserve.plan.spec import ModelSpec
 from tests.conftest import hf_greedy

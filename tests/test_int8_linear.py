@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-import kvserve.engine.engine as engine_module
+import kvserve.engine.loading as loading_module
 import kvserve.model.int8_linear as int8_linear
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineConfig
-from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.int8_linear import (
     Int8Embedding,
@@ -242,7 +242,7 @@ def test_norms_fuse_where_their_weights_are_one(tiny_model_factory: Callable[...
     path = str(tiny_model_factory("llama"))
     fused = load_model(path, torch.device("cpu"), torch.float32, "int8")
     assert all(layer.norms_in_projections for layer in fused.model.layers)
-    monkeypatch.setattr(engine_module, "fuse_norms_into_int8", lambda model: 0)
+    monkeypatch.setattr(loading_module, "fuse_norms_into_int8", lambda model: 0)
     apart = load_model(path, torch.device("cpu"), torch.float32, "int8")
     assert not any(layer.norms_in_projections for layer in apart.model.layers)
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()

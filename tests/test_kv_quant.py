@@ -351,7 +351,7 @@ def test_packed_weights_move_onto_huge_pages(quantization: str | None, tiny_mode
     """At load the packed weights (bf16 for kvserve's GEMM, int8 for the VNNI kernel) are copied
     into one fresh mapping advised onto 2 MB pages, each at a 64-byte boundary, and the model
     gives the same log-probabilities as with them on 4 KB pages (KVSERVE_HUGE_PAGES=0)."""
-    from kvserve.engine.engine import load_model
+    from kvserve.engine.loading import load_model
     from kvserve.quant.evaluate import next_token_logprobs
 
     path = str(tiny_model_factory("llama"))

@@ -14,7 +14,7 @@ import torch
 from kvserve import LLM
 from kvserve.cache.kv_format import KV_DTYPES, KVLayout, kv_block_bytes
 from kvserve.cli import main
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.loading import LoadedModel
 from kvserve.plan import ModelSpec, SpecError, plan, preset
 from kvserve.plan.planner import kv_blocks_for_budget
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.loading import LoadedModel
 from tests.conftest import first_divergence_is_near_tie, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -16,7 +16,7 @@ from kvserve.cache.kv_format import KVLayout, kv_block_bytes
 from kvserve.cache.kv_scales import KVScales
 from kvserve.cli import main
 from kvserve.config import ConfigError
-from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.quant.calibrate import calibrate, check
 from kvserve.quant.data import python_reference, stdlib_docstrings
 from kvserve.quant.evaluate import evaluate, parse_variants

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvserve.engine.engine as engine
+import kvserve.engine.loading as loading
 from kvserve import LLM
-from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.model.rotation import (
     hadamard_block,
     residual_stream_rotatable,
@@ -48,7 +48,7 @@ def test_rotated_residual_stream_computes_the_same_function(arch: str, overrides
     the original's (float32) though every norm weight is now one and every stream weight moved.
     (The models load with plain nn.Linear layers, as load_model has them when it turns an int8
     model's stream, before any packing.)"""
-    monkeypatch.setattr(engine, "pack_linears_for_cpu", lambda model: False)
+    monkeypatch.setattr(loading, "pack_linears_for_cpu", lambda model: False)
     path = str(tiny_model_factory(arch, **overrides))
     original = load_model(path, torch.device("cpu"), torch.float32)
     turned = load_model(path, torch.device("cpu"), torch.float32)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.loading import LoadedModel
 from kvserve.engine.sampling import TokenHistory, filter_logits, process_logits, sample
 
 PROMPT = [3, 14, 15, 92, 65]
@@ -69,7 +69,8 @@ def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
 
 def test_eos_stops_unless_ignored(llm: LLM) -> None:
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    llm.engine.eos_token_ids = {greedy.token_ids[2]}
+    outputs = llm.engine.outputs  # where the stop checks read the EOS ids
+    eos_token_ids, outputs.eos_token_ids = outputs.eos_token_ids, {greedy.token_ids[2]}
     try:
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
         assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[2]) + 1]
@@ -77,7 +78,7 @@ def test_eos_stops_unless_ignored(llm: LLM) -> None:
         kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
         assert kept.token_ids == greedy.token_ids and kept.finish_reason == "length"
     finally:
-        llm.engine.eos_token_ids = set()
+        outputs.eos_token_ids = eos_token_ids
 
 
 @pytest.mark.slow

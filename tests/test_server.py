@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.engine import LoadedModel
+from kvserve.engine.loading import LoadedModel
 from tests.conftest import KEY, MODEL, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow

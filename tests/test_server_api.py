@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LoadedModel, load_model
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.server.app import ServerConfig
 from kvserve.server.serve import build
 from tests.conftest import free_port, serve_in_thread, wait_healthy

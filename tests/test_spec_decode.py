@@ -15,7 +15,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import ConfigError, EngineConfig, SpeculativeConfig
-from kvserve.engine.engine import LLMEngine, LoadedModel
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import LoadedModel
 from kvserve.engine.request import Request
 from kvserve.engine.spec_decode import (
     PRIOR_ACCEPTANCE,

@@ -49,7 +49,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     output_text: str = ""
-    # incremental detokenization (LLMEngine._detokenize): output_text covers the tokens before
+    # incremental detokenization (OutputProcessor.detokenize): output_text covers the tokens before
     # detok_read; the tokens from detok_prefix on give the next token's text its context
     detok_prefix: int = 0
     detok_read: int = 0

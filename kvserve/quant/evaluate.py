@@ -24,7 +24,8 @@ import torch
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
 from kvserve.cache.kv_groups import cdiv
 from kvserve.config import KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
-from kvserve.engine.engine import LLMEngine, LoadedModel, load_model
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.step_plan import ScheduledChunk
@@ -214,8 +215,8 @@ def held_blocks(engine: LLMEngine, context: int, chunk: int) -> int:
     eviction its sinks, its window and a chunk; with snapkv its compressed prompt (the first
     half) and the rest (its whole prompt only while that prefills)."""
     size, cfg = engine.config.block_size, engine.config
-    if engine.streaming is not None:
-        return min(cdiv(context, size), engine.streaming.blocks_held(size, chunk))
+    if engine.eviction.default_window is not None:
+        return min(cdiv(context, size), engine.eviction.default_window.blocks_held(size, chunk))
     if cfg.kv_eviction == "snapkv":
         prompt = context // 2
         kept = max(min(cfg.kv_observation_window, prompt), math.ceil(prompt * cfg.kv_compression_ratio))

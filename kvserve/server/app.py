@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.cache.kv_stats import SpecDecodeStats
-from kvserve.engine.engine import RequestOutput
+from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.cpu_kernels import ops_isa
 from kvserve.server.async_engine import AsyncEngine, EngineBusyError, EngineDeadError

@@ -25,7 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.cache.kv_stats import KVCacheStats
-from kvserve.engine.engine import LLMEngine, RequestOutput
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 
 logger = logging.getLogger("kvserve")

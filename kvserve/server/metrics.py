@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvserve.cache.kv_stats import KVGroupStats, SpecDecodeStats
 from kvserve.cache.kv_tiers import TierStats
-from kvserve.engine.engine import RequestOutput
+from kvserve.engine.output import RequestOutput
 from kvserve.model.cpu_kernels import ops_isa
 from kvserve.tune.drift import LiveWorkload, TunedWorkload, drifts
 

@@ -7,7 +7,8 @@ import logging
 from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, LoadedModel
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.loading import LoadedModel
 from kvserve.server.app import ServerConfig, create_app
 from kvserve.server.async_engine import AsyncEngine
 

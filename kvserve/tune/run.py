@@ -21,7 +21,7 @@ CALIBRATION_SAMPLES, CALIBRATION_LENGTH = 32, 2048
 
 
 def tune(args: argparse.Namespace) -> int:
-    from kvserve.engine.engine import load_model
+    from kvserve.engine.loading import load_model
     from kvserve.plan.planner import kv_blocks_for_budget
     from kvserve.plan.spec import ModelSpec
 

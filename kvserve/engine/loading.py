@@ -1,0 +1,91 @@
+"""Loading a model for the engine: its weights in the engine's dtype and device, quantized and
+packed for the CPU kernels; its KV cache groups; a draft model's share of the work."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from kvserve.cache.huge_pages import weights_on_huge_pages
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheGroup, KVCacheSpec, group_layers
+from kvserve.cache.kv_scales import model_fingerprint
+from kvserve.model.deepseek import DeepseekForCausalLM
+from kvserve.model.int8_linear import Int8Embedding, fuse_norms_into_int8, quantize_linears, quantized_bytes
+from kvserve.model.llama import LlamaForCausalLM, fuse_swiglu, pack_linears_for_cpu, weights_uninitialized
+from kvserve.model.loader import ModelConfig, load_checkpoint, load_tokenizer, resolve_model_path
+from kvserve.model.rotation import rotate_residual_stream, run_time_rotations
+
+logger = logging.getLogger("kvserve")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+
+
+class LoadedModel(NamedTuple):
+    path: Path
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any | None
+    weight_bytes: int
+    fingerprint: str  # see kvserve.cache.kv_scales.model_fingerprint
+    quantization: str | None = None  # the linear layers' (int8_linear), None: the model dtype
+
+
+def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LoadedModel:
+    """The model's weights in ``dtype`` on ``device``; with ``quantization`` ("int8") the linear
+    layers become Int8Linear, the LM head included, behind Hadamard rotations
+    (kvserve.model.rotation), and the embedding Int8Embedding."""
+    path = resolve_model_path(model)
+    model_config, weights = load_checkpoint(path)
+    fingerprint = model_fingerprint(asdict(model_config), weights)
+    model_class = DeepseekForCausalLM if model_config.mla is not None else LlamaForCausalLM
+    with weights_uninitialized():
+        module = model_class(model_config, model_config.max_position_embeddings)
+    module.load_weights(weights)
+    del weights
+    module = module.to(device=device, dtype=dtype).eval()
+    for name in ("rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):  # rotary tables stay float32
+        setattr(module, name, getattr(module, name).float())
+    if quantization is not None:
+        stream_rotated = rotate_residual_stream(module)
+        quantize_linears(module, quantization, rotate=run_time_rotations(module, stream_rotated))
+        fuse_norms_into_int8(module)
+        setattr(module, "embed_tokens", Int8Embedding(module.embed_tokens))  # noqa: B010 (nn.Embedding's slot)
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) + quantized_bytes(module)
+    pack_linears_for_cpu(module)
+    fuse_swiglu(module)
+    weights_on_huge_pages(module)
+    return LoadedModel(path, model_config, module, load_tokenizer(path), weight_bytes, fingerprint, quantization)
+
+
+def kv_cache_groups(config: ModelConfig, all_full: bool = False) -> list[KVCacheGroup]:
+    """The model's KV cache groups (kv_groups): by each layer's window, or with ``all_full``
+    one group of every layer, each keeping every block."""
+    if all_full or not config.layer_windows:
+        return [KVCacheGroup(FULL_ATTENTION, tuple(range(config.num_layers)))]
+    return group_layers([KVCacheSpec(window) for window in config.layer_windows])
+
+
+class DraftModel(NamedTuple):
+    model: LlamaForCausalLM  # a model of its own, or the target's shallow exit (weights shared)
+    weight_bytes: int  # what it adds to the target's weights
+    relative_cost: float  # one draft token's forward pass, in target decode steps (by weights or layers)
+
+
+def warn_if_matmuls_emulated(device: torch.device, dtype: torch.dtype) -> None:
+    """Say so where torch has no native matmul for a 16-bit model dtype on this CPU (no AVX-512:
+    an AVX2 CPU emulates bf16 and float16 products), with the way out."""
+    native = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+              torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
+    if device.type != "cpu" or native is None or native():
+        return
+    name = str(dtype).removeprefix("torch.")
+    logger.warning("dtype %s: this CPU (%s) has no native %s matmul, so the linear layers run emulated, several "
+                   "times slower than in float32 (bf16 on a Zen 3: the rest of a 32 x 4,096 decode step, mostly "
+                   "linear layers, 500 ms against 126 ms; docs/benchmarks.md); --dtype float32 (the "
+                   "CPU default) with --kv-cache-dtype bf16 keeps the KV memory saving at float32 speed",
+                   name, torch.backends.cpu.get_cpu_capability(), name)
