@@ -6,19 +6,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvserve.cluster.config import MAX_KV_IMBALANCE, MAX_REQUEST_IMBALANCE, ROUTER_NAMES, ClusterConfig
-from kvserve.config import (
-    KV_EVICTION,
-    PREEMPTION_MODES,
-    QUANTIZATION_METHODS,
-    SCHEDULING_POLICIES,
-    ConfigError,
-    read_jsonl_prompts,
-)
+from kvserve.config import CONCERNS, ConfigError, EngineConfig, read_jsonl_prompts
 from kvserve.config_file import add_config_args, check_engine_values, effective_config, file_defaults
+from kvserve.config_reference import flag_name
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -29,93 +24,26 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF folder (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
-                   help="int8: linear layers in int8 (weights per output channel, activations per token at run "
-                        "time, exact int32 sums on every CPU level); default: the model dtype")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block, power of two 1..256")
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (overrides utilization)")
-    g.add_argument("--kv-offload-memory", default=None,
-                   help="tier 1: keep prefix blocks the pool evicts in this much host memory, e.g. 8GiB")
-    g.add_argument("--kv-offload-disk", default=None,
-                   help="tier 2: a directory for the blocks tier 1 drops, found again after a restart")
-    g.add_argument("--kv-offload-disk-size", default="10GiB", help="tier 2's capacity (default: %(default)s)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of device memory for weights+activations+KV (CPU: of RAM)")
-    g.add_argument("--device-memory", default=None, help="device memory to plan against, e.g. 24GB")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4")
-    g.add_argument("--kv-scales", default=None,
-                   help="calibration file from kvserve calibrate: static key scales (int8/int4), fp8 scales")
-    g.add_argument("--kv-key-scales", default="auto", choices=["auto", "static", "block", "global"],
-                   help="int8/int4 key scales: static (calibrated, needs --kv-scales), per block, or global "
-                        "(one scale for all K and V, to measure the mistake); auto: static with --kv-scales")
-    g.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
-                   help="comma-separated layer indices kept in the model dtype, e.g. 0,29")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse cached blocks of shared prompt prefixes (default: on)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                   help="admission order: arrival, or longest cached prefix first (bounded wait)")
-    g.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=True,
-                   help="admit a request only when the KV cache holds its whole prompt besides the prompts still "
-                        "prefilling; off: admit on its first chunk (more requests start, more are preempted) "
-                        "(default: on)")
-    g.add_argument("--disable-cascade-attn", action="store_true",
-                   help="read a prefix that every running sequence shares once per sequence (default: once per "
-                        "decode step for all of them: cascade attention)")
-    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
-                   help="one block table for every layer: sliding-window layers keep every block too")
-    g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding, JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)')
-    g.add_argument("--kv-eviction", default="none", choices=KV_EVICTION,
-                   help="streaming: keep the attention sinks and a recent window of every request's KV, free "
-                        "the rest as it grows (StreamingLLM; memory bounded whatever --max-tokens); snapkv: "
-                        "compress each prompt once after its prefill to --kv-compression-ratio of its tokens")
-    g.add_argument("--kv-sink-tokens", type=int, default=4,
-                   help="streaming: first tokens kept as attention sinks (whole blocks) (default: %(default)s)")
-    g.add_argument("--kv-window", type=int, default=1024,
-                   help="streaming: most recent tokens kept (default: %(default)s)")
-    g.add_argument("--kv-compression-ratio", type=float, default=0.5,
-                   help="snapkv: fraction of each prompt's tokens kept per KV head (default: %(default)s)")
-    g.add_argument("--kv-observation-window", type=int, default=32,
-                   help="snapkv: last prompt tokens whose attention scores the rest (default: %(default)s)")
-    g.add_argument("--kv-compression-per-layer", action="store_true",
-                   help="snapkv: keep one set of tokens per layer (attention summed over its KV heads) instead of "
-                        "one per KV head; kept passkeys far better on SmolLM2 (docs/benchmarks.md)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
-                   help="swap: a preempted request's blocks go to tier 1 (--kv-offload-memory) and come back "
-                        "without recompute; recompute when tier 1 is full (default: %(default)s)")
+    """One flag per EngineConfig field, from its metadata (config.knob), grouped by concern."""
+    groups = {concern: parser.add_argument_group(f"engine: {concern}") for concern in CONCERNS}
+    for setting in fields(EngineConfig):
+        meta = setting.metadata
+        names = [flag_name(setting.name)] + ([meta["short"]] if meta["short"] else [])
+        options: dict[str, Any] = {"default": setting.default, "help": meta["help"]}
+        if meta["choices"]:
+            options["choices"] = meta["choices"]
+        if isinstance(setting.default, bool):
+            options["action"] = argparse.BooleanOptionalAction if setting.default else "store_true"
+        elif isinstance(setting.default, tuple):
+            options["type"] = layer_list
+        elif (meta["kind"] or type(setting.default)) in (int, float):
+            options["type"] = meta["kind"] or type(setting.default)
+        groups[meta["concern"]].add_argument(*names, **options)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "dtype": args.dtype, "quantization": args.quantization, "device": args.device,
-        "block_size": args.block_size,
-        "kv_cache_memory": args.kv_cache_memory, "kv_offload_memory": args.kv_offload_memory,
-        "kv_offload_disk": args.kv_offload_disk, "kv_offload_disk_size": args.kv_offload_disk_size,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "device_memory": args.device_memory, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "kv_cache_dtype": args.kv_cache_dtype, "kv_scales": args.kv_scales,
-        "kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers, "kv_key_scales": args.kv_key_scales,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "scheduling_policy": args.scheduling_policy, "seed": args.seed, "preemption_mode": args.preemption_mode,
-        "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
-        "disable_cascade_attn": args.disable_cascade_attn,
-        "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
-        "speculative_config": args.speculative_config, "kv_eviction": args.kv_eviction,
-        "kv_sink_tokens": args.kv_sink_tokens, "kv_window": args.kv_window,
-        "kv_compression_ratio": args.kv_compression_ratio, "kv_observation_window": args.kv_observation_window,
-        "kv_compression_per_layer": args.kv_compression_per_layer,
-    }
+    """EngineConfig's keyword arguments from the parsed flags (the model apart)."""
+    return {setting.name: getattr(args, setting.name) for setting in fields(EngineConfig) if setting.name != "model"}
 
 
 def read_prompts(path: Path) -> list[Any]:
@@ -165,7 +93,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvserve.config import EngineConfig
     from kvserve.llm import _setup_logging
     from kvserve.server.app import ServerConfig
     from kvserve.server.serve import serve

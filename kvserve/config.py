@@ -9,7 +9,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -170,55 +170,93 @@ def device_total_memory(device: str) -> tuple[int, str]:
     return machine_memory_bytes(), "this machine's RAM"
 
 
+# the concerns a setting belongs to: its group in --help and in the configuration reference
+CONCERNS = ("model", "cache", "scheduler", "offload", "eviction", "speculative")
+
+
+def knob(default: Any, concern: str, help: str, choices: tuple[str, ...] = (), kind: type | None = None,
+         short: str | None = None) -> Any:
+    """A setting with what the CLI, --config files, --print-config and the reference need:
+    ``help`` (%(default)s allowed), ``choices``, ``kind`` (the value's type where the default
+    does not show it: int for an optional count, str for a size written "2GiB") and a ``short``
+    flag."""
+    assert concern in CONCERNS, concern
+    return field(default=default, metadata={"concern": concern, "help": help, "choices": choices, "kind": kind,
+                                            "short": short})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Every knob of the engine. Sizes may be given as strings ("64MiB")."""
+    """Every setting of the engine, each with its help, choices and default in its metadata
+    (knob): the one source of the CLI flags, --config keys, --print-config and the configuration
+    reference (kvserve.config_reference). Names follow vLLM's engine arguments. Sizes may be
+    given as strings ("64MiB")."""
 
-    model: str = "smollm2-135m"
-    dtype: str = "auto"
-    quantization: str | None = None  # int8: W8A8 linear layers (int8 weights per channel, activations per token)
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    kv_offload_memory: int | str | None = None  # tier 1: evicted prefix blocks kept in host memory
-    kv_offload_disk: str | None = None  # tier 2: a directory for what tier 1 drops (kept across restarts)
-    kv_offload_disk_size: int | str = "10GiB"
-    gpu_memory_utilization: float = 0.9
-    device_memory: int | str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4
-    kv_scales: str | None = None  # calibration file (kvserve calibrate): static key scales, fp8 scales
-    kv_cache_dtype_skip_layers: tuple[int, ...] = ()  # layers kept in the model dtype
-    # int8/int4 key scales: auto (static with kv_scales, else per block), static, block, or global
-    # (one calibrated scale for all K and V: the classic mistake, kept to measure it)
-    kv_key_scales: str = "auto"
-    enable_prefix_caching: bool = True  # on by default, as in vLLM v1
-    scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first (bounded wait)
-    preemption_mode: str = "recompute"  # or "swap": a preempted request's blocks go to tier 1 (kv_offload_memory)
-    # admission control (vLLM's flag): admit a request only when the free blocks hold its whole prompt
-    # besides the rest of the prompts being prefilled; False admits on its first chunk (may overcommit)
-    scheduler_reserve_full_isl: bool = True
-    # decode reads a prefix shared by the whole batch once for all its queries (vLLM's flag turns it off)
-    disable_cascade_attn: bool = False
-    # every layer keeps every block (sliding-window layers still attend within their window):
-    # vLLM's flag of the same name, kept to measure what the KV cache groups save
-    disable_hybrid_kv_cache_manager: bool = False
-    # KV eviction: "streaming" keeps the first kv_sink_tokens tokens' blocks and the last kv_window
-    # tokens' blocks of every request and frees the rest as it grows (memory bounded whatever max_tokens)
-    kv_eviction: str = "none"
-    kv_sink_tokens: int = 4
-    kv_window: int = 1024
-    # snapkv: keep this fraction of each prompt's tokens per KV head (1.0: all; kvpress's
-    # compression_ratio is 1 minus it), scored by the last kv_observation_window prompt queries
-    kv_compression_ratio: float = 0.5
-    kv_observation_window: int = 32
-    # snapkv: one kept set per layer (votes summed over its KV heads) instead of one per KV head
-    kv_compression_per_layer: bool = False
-    # speculative decoding: a SpeculativeConfig, its dict, or its JSON text (vLLM's speculative_config)
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
-    seed: int = 0
+    model: str = knob("smollm2-135m", "model", "alias, .gguf file or HF folder (default: %(default)s)")
+    dtype: str = knob("auto", "model", "the model's dtype; auto: bfloat16 on CUDA, float32 on CPU", DTYPES)
+    quantization: str | None = knob(
+        None, "model", "int8: linear layers in int8 (weights per output channel, activations per token at run time, "
+        "exact int32 sums on every CPU level); default: the model dtype", QUANTIZATION_METHODS, short="-q")
+    device: str = knob("auto", "model", "auto, cpu, cuda or cuda:N")
+    max_model_len: int | None = knob(None, "model", "longest sequence (prompt + output) a request may have; "
+                                     "default: the model's context, lowered to what the KV cache holds", kind=int)
+    seed: int = knob(0, "model", "seed of sampled requests that give none")
+    block_size: int = knob(16, "cache", "tokens per KV block, a power of two 1..256 (default: %(default)s)")
+    kv_cache_memory: int | str | None = knob(None, "cache", "KV pool size, e.g. 2GiB (overrides "
+                                             "--gpu-memory-utilization)", kind=str)
+    gpu_memory_utilization: float = knob(0.9, "cache", "fraction of device memory for weights, activations and "
+                                         "the KV cache (CPU: of RAM) (default: %(default)s)")
+    device_memory: int | str | None = knob(None, "cache", "device memory to plan against, e.g. 24GB (default: "
+                                           "this machine's)", kind=str)
+    kv_cache_dtype: str = knob("auto", "cache", "auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, "
+                               "int8, int4")
+    kv_scales: str | None = knob(None, "cache", "calibration file from kvserve calibrate: static key scales "
+                                 "(int8/int4), fp8 scales", kind=str)
+    kv_key_scales: str = knob("auto", "cache", "int8/int4 key scales: static (calibrated, needs --kv-scales), per "
+                              "block, or global (one scale for all K and V, to measure the mistake); auto: static "
+                              "with --kv-scales", KV_KEY_SCALES)
+    kv_cache_dtype_skip_layers: tuple[int, ...] = knob((), "cache", "comma-separated layer indices kept in the "
+                                                       "model dtype, e.g. 0,29")
+    enable_prefix_caching: bool = knob(True, "cache", "reuse cached blocks of shared prompt prefixes "
+                                       "(default: on, as in vLLM v1)")
+    disable_hybrid_kv_cache_manager: bool = knob(
+        False, "cache", "one block table for every layer: sliding-window layers keep every block too (vLLM's flag; "
+        "measures what the KV cache groups save)")
+    max_num_seqs: int = knob(64, "scheduler", "most requests running at once (default: %(default)s)")
+    max_num_batched_tokens: int = knob(2048, "scheduler", "token budget of one step: decodes plus prefill chunks "
+                                       "(default: %(default)s)")
+    scheduling_policy: str = knob("fcfs", "scheduler", "admission order: arrival, or longest cached prefix first "
+                                  "(bounded wait)", SCHEDULING_POLICIES)
+    scheduler_reserve_full_isl: bool = knob(
+        True, "scheduler", "admit a request only when the KV cache holds its whole prompt besides the prompts "
+        "still prefilling; off: admit on its first chunk (more requests start, more are preempted) (default: on)")
+    preemption_mode: str = knob("recompute", "scheduler", "swap: a preempted request's blocks go to tier 1 "
+                                "(--kv-offload-memory) and come back without recompute; recompute when tier 1 is "
+                                "full (default: %(default)s)", PREEMPTION_MODES)
+    disable_cascade_attn: bool = knob(False, "scheduler", "read a prefix that every running sequence shares once "
+                                      "per sequence (default: once per decode step for all of them: cascade "
+                                      "attention)")
+    kv_offload_memory: int | str | None = knob(None, "offload", "tier 1: keep prefix blocks the pool evicts in "
+                                               "this much host memory, e.g. 8GiB", kind=str)
+    kv_offload_disk: str | None = knob(None, "offload", "tier 2: a directory for the blocks tier 1 drops, found "
+                                       "again after a restart", kind=str)
+    kv_offload_disk_size: int | str = knob("10GiB", "offload", "tier 2's capacity (default: %(default)s)")
+    kv_eviction: str = knob("none", "eviction", "streaming: keep the attention sinks and a recent window of every "
+                            "request's KV, free the rest as it grows (StreamingLLM; memory bounded whatever "
+                            "--max-tokens); snapkv: compress each prompt once after its prefill to "
+                            "--kv-compression-ratio of its tokens", KV_EVICTION)
+    kv_sink_tokens: int = knob(4, "eviction", "streaming: first tokens kept as attention sinks (whole blocks) "
+                               "(default: %(default)s)")
+    kv_window: int = knob(1024, "eviction", "streaming: most recent tokens kept (default: %(default)s)")
+    kv_compression_ratio: float = knob(0.5, "eviction", "snapkv: fraction of each prompt's tokens kept per KV "
+                                       "head (default: %(default)s)")
+    kv_observation_window: int = knob(32, "eviction", "snapkv: last prompt tokens whose attention scores the "
+                                      "rest (default: %(default)s)")
+    kv_compression_per_layer: bool = knob(False, "eviction", "snapkv: keep one set of tokens per layer (attention "
+                                          "summed over its KV heads) instead of one per KV head")
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = knob(
+        None, "speculative", 'speculative decoding, JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)', kind=str)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256 or (

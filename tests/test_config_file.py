@@ -67,3 +67,27 @@ def test_a_setting_the_command_line_fixes_is_not_an_error(tmp_path: Path, capsys
     assert printed(capsys, "serve", "--config", str(config), "--kv-offload-memory", "1GiB")["preemption-mode"] == "swap"
     assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_every_setting_is_one_flag_one_file_key_and_one_reference_row(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI flags, the --config keys, --print-config and docs/configuration.md all come from
+    EngineConfig's metadata: a setting added there appears in each; the reference on disk is the
+    generated one (regenerate: python -m kvserve.config_reference > docs/configuration.md)."""
+    from dataclasses import fields
+
+    from kvserve.config import CONCERNS, EngineConfig
+    from kvserve.config_reference import reference_markdown
+
+    settings = {f.name: f for f in fields(EngineConfig)}
+    assert all(f.metadata["concern"] in CONCERNS and f.metadata["help"] for f in settings.values())
+    effective = printed(capsys, "generate", "hi")
+    for name, setting in settings.items():  # every setting is a flag, printed with its default...
+        default = list(setting.default) if isinstance(setting.default, tuple) else setting.default
+        assert effective[name.replace("_", "-")] == default, name
+    config = tmp_path / "all.yaml"  # ...and the printed YAML is a file --config reads back unchanged
+    config.write_text(yaml.safe_dump(effective))
+    assert printed(capsys, "generate", "hi", "--config", str(config)) == effective
+    reference = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert reference == reference_markdown(), "docs/configuration.md is stale: python -m kvserve.config_reference"
+    assert all(f"`{name}`" in reference for name in settings)

@@ -180,7 +180,7 @@ def test_eval_scores_kv_eviction(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["eval", "--kv-eviction", "none,snap"], "--kv-eviction 'snap': expected none, streaming or snapkv"),
+    (["eval", "--kv-eviction", "none,snap"], "--kv-eviction 'snap': expected one of none, streaming, snapkv"),
     (["eval", "--kv-eviction", "snapkv", "--kv-compression-ratio", "0.5,2"], "--kv-compression-ratio '0.5,2'"),
     (["eval", "--kv-eviction", "streaming", "--kv-window", "64,x"], "--kv-window '64,x'"),
     (["eval", "--kv-cache-dtype", "auto,int9"], "unknown KV cache dtype 'int9'"),

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.config import KV_EVICTION
 from kvserve.model.cpu_kernels import cpu_op
 
 
@@ -76,8 +77,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.kv_eviction not in (None, "none", "streaming", "snapkv"):
-            raise ValueError(f"kv_eviction must be none, streaming or snapkv, got {self.kv_eviction!r}")
+        if self.kv_eviction is not None and self.kv_eviction not in KV_EVICTION:
+            raise ValueError(f"kv_eviction must be one of {', '.join(KV_EVICTION)}, got {self.kv_eviction!r}")
         ratio = self.kv_compression_ratio
         if ratio is not None and not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
             raise ValueError(f"kv_compression_ratio must be in (0, 1] (the fraction of the prompt kept), "

@@ -23,7 +23,7 @@ import torch
 
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
 from kvserve.cache.kv_groups import cdiv
-from kvserve.config import KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
+from kvserve.config import KV_EVICTION, KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.loading import LoadedModel, load_model
 from kvserve.engine.request import Request
@@ -87,9 +87,9 @@ def eviction_variants(variant: Variant, evictions: str, windows: str, ratios: st
     at each ``--kv-window`` and SnapKV at each ``--kv-compression-ratio`` (``none`` is the
     variant's own row)."""
     names = [e.strip() for e in evictions.split(",") if e.strip()]
-    bad = [e for e in names if e not in ("none", "streaming", "snapkv")]
+    bad = [e for e in names if e not in KV_EVICTION]
     if bad:
-        raise ConfigError(f"--kv-eviction {bad[0]!r}: expected none, streaming or snapkv")
+        raise ConfigError(f"--kv-eviction {bad[0]!r}: expected one of {', '.join(KV_EVICTION)}")
     rows = []
     if "streaming" in names:
         rows += [variant._replace(name=f"{variant.name} streaming {w}", kv_eviction="streaming", kv_window=w)
