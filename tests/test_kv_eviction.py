@@ -189,8 +189,57 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
         EngineConfig(model=str(model), kv_eviction="streaming", kv_window=0)
     with pytest.raises(ConfigError, match="fewer than the 8 one streaming request needs"):
         streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="16KiB")
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        streaming_engine(model, window=32, speculative_config={"method": "ngram"})
+    with pytest.raises(ConfigError, match="method layer_skip keeps a draft cache of the whole sequence"):
+        streaming_engine(model, window=32, speculative_config={"method": "layer_skip", "num_draft_layers": 1})
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_eviction_composes_with_ngram_speculation(tiny_model_factory: Callable[..., Path], kv_dtype: str) -> None:
+    """StreamingLLM and SnapKV under ngram speculation: the greedy tokens of each without
+    speculation, and their log-probabilities (a streaming request's drafts stay within its
+    eviction period, so every query attends to what it attends to one token a step; int8 adds
+    per-block tails, whose drafts stop before a block's last slot), while drafts stand, with
+    every invariant held each step. The model's attention is weak enough that its greedy output
+    loops (drafts stand) and strong enough that one query seeing a block it should not changes
+    the tokens (checked: without the streaming bound on drafts they differ)."""
+    model = tiny_model_factory("llama", o_proj_scale=0.01)
+    prompts = [[7, 8, 9, 10, 11, 12] * 4, prompt(20, 3) * 2]
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "draft_token_cost": 0.0}
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=0)
+    for kwargs in ({"kv_eviction": "streaming", "kv_sink_tokens": 4, "kv_window": 32},
+                   {"kv_eviction": "snapkv", "kv_compression_ratio": 0.5, "kv_observation_window": 8}):
+        runs = []
+        for spec in (None, ngram):
+            engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                                            kv_cache_dtype=kv_dtype, speculative_config=spec, **kwargs))
+            ids = [engine.add_request(p, params).request_id for p in prompts]
+            final = {}
+            while engine.has_unfinished_requests():
+                final.update((out.request_id, out) for out in engine.step())
+                check_manager(engine.kv_manager)
+            runs.append([final[i] for i in ids])
+            assert engine.kv_stats().evicted_tokens > 0, "nothing was evicted: the test would not see the composition"
+        plain, speculated = runs
+        assert [o.token_ids for o in plain] == [o.token_ids for o in speculated], kwargs["kv_eviction"]
+        for a, b in zip(plain, speculated, strict=True):
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=2e-5, rtol=0)
+        stats = engine.kv_stats().spec_decode
+        assert stats is not None and stats.num_accepted_tokens > 20
+
+
+def test_streaming_lookahead_stays_within_one_eviction_period() -> None:
+    """Streaming.lookahead_room: a chunk starting at query q may run r positions further, and
+    no further, without a query past q being due an eviction that q's is not."""
+    from kvserve.cache.kv_retention import Streaming
+
+    for block_size, sinks, window in ((1, 4, 20), (8, 4, 32), (16, 16, 24), (4, 0, 9)):
+        policy = Streaming(StreamingWindow(sinks, window))
+        evicted = 0
+        for q in range(400):
+            evicted += policy.blocks_to_evict(q, evicted, block_size) * block_size  # what the hook does at q
+            room = policy.lookahead_room(q, evicted, block_size)
+            assert all(policy.blocks_to_evict(q + j, evicted, block_size) == 0 for j in range(room + 1))
+            assert policy.blocks_to_evict(q + room + 1, evicted, block_size) > 0
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

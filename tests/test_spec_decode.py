@@ -125,7 +125,7 @@ def test_spec_decoder_keeps_one_estimate_per_ngram_length() -> None:
     """Drafts from long n-gram matches that stood and from 1-token matches that fell: at the
     same batch, only long matches draft (the n-gram length predicts acceptance, benchmarks)."""
     decoder = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, draft_token_cost=0.3),
-                          NgramProposer(1, 4), block_size=16, tail_blocks=False, max_model_len=1024)
+                          NgramProposer(1, 4), max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=100)
 
     def decoding(tokens: list[int]) -> Request:
@@ -483,7 +483,7 @@ def test_spec_decoder_skips_lookups_no_class_pays_for() -> None:
     request.num_computed_tokens = 4
     for cost, expected in ((5.0, []), (0.1, [1])):
         decoder = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, draft_token_cost=cost),
-                              CountingProposer(1, 4), block_size=16, tail_blocks=False, max_model_len=1024)
+                              CountingProposer(1, 4), max_model_len=1024)
         calls.clear()
         decoder.propose([request])
         assert calls == expected

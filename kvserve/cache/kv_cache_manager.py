@@ -120,6 +120,22 @@ class KVCacheManager:
         """Some request may stream."""
         return self.streaming is not None or any(record.window is not None for record in self.requests.values())
 
+    def lookahead_room(self, request_id: str, first_query: int) -> int | None:
+        """Positions past ``first_query`` (the decoding request's last token) its next chunk may
+        carry as lookahead (speculative drafts); None: no bound. A streaming request stays within
+        its eviction period (Streaming.lookahead_room: its queries see what they would see one
+        token a step); with tail formats, drafts stop before the last slot of the block the next
+        token starts in: a block quantized when it fills could not take back a rejected token
+        (with block_size 1 a block holds one token and is freed whole)."""
+        record = self.requests.get(request_id)
+        rooms = []
+        if record is not None and isinstance(record.policies[0], Streaming):
+            rooms.append(record.policies[0].lookahead_room(first_query, record.evicted, self.block_size))
+        if self.tail_blocks and self.block_size > 1:
+            evicted = record.evicted if record is not None else 0
+            rooms.append(self.block_size - 1 - (first_query + 1 - evicted) % self.block_size)
+        return min(rooms, default=None)
+
     def num_tokens(self, request_id: str) -> int:
         """Cache positions the request's tables cover (absolute ones less its evicted tokens)."""
         record = self.requests.get(request_id)

@@ -136,6 +136,14 @@ class Streaming(RetentionPolicy):
         sinks = self.window.sink_blocks(block_size)
         return max(0, (first_query - self.window.window + 1) // block_size - sinks - evicted // block_size)
 
+    def lookahead_room(self, first_query: int, evicted: int, block_size: int) -> int:
+        """How many positions past ``first_query`` a chunk may carry (speculative drafts) so that
+        each of its queries sees the very blocks it would see decoding one token a step: none
+        of them is due an eviction that the first query's is not."""
+        evicted += self.blocks_to_evict(first_query, evicted, block_size) * block_size  # as the hook will
+        last = (self.window.sink_blocks(block_size) + evicted // block_size + 1) * block_size + self.window.window - 2
+        return max(0, last - first_query)
+
 
 def retention_for(spec: KVCacheSpec, window: StreamingWindow | None = None,
                   compacted: bool = False) -> RetentionPolicy:

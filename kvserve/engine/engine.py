@@ -91,8 +91,8 @@ class LLMEngine:
                                           self.model_config.vocab_size)
         logger.info("speculative decoding: %s, up to %d tokens per step, off above %s decoding requests",
                     spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size or "no limit of")
-        return SpecDecoder(spec, proposer, self.config.block_size, self.kv_cache.uses_tail, self.max_model_len,
-                           self.draft.relative_cost if self.draft is not None else 0.0)
+        return SpecDecoder(spec, proposer, self.max_model_len, self.draft.relative_cost if self.draft is not None
+                           else 0.0, lambda r: self.kv_manager.lookahead_room(r.request_id, r.num_computed_tokens))
 
     # ------------------------------------------------------------------ requests
 

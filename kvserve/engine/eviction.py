@@ -11,13 +11,17 @@ from kvserve.engine.sampling import SamplingParams
 
 
 class KVEviction:
-    """``refusal``: why this engine cannot evict at all (None: it can); ``tail_blocks``: the pool
-    blocks a sequence's tail run takes (a streaming request holds one besides its window)."""
+    """``refusal``: why this engine cannot evict at all (None: it can); ``streaming_refusal``: why
+    it cannot stream though it may compact; ``tail_blocks``: the pool blocks a sequence's tail run
+    takes (a streaming request holds one besides its window)."""
 
-    def __init__(self, config: EngineConfig, refusal: str | None, tail_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, refusal: str | None, tail_blocks: int,
+                 streaming_refusal: str | None = None) -> None:
         self.config, self.refusal, self.tail_blocks = config, refusal, tail_blocks
-        if config.kv_eviction in ("streaming", "snapkv") and refusal is not None:
-            raise ConfigError(f"kv_eviction={config.kv_eviction}: {refusal}")
+        self.streaming_refusal = refusal or streaming_refusal
+        why = self.streaming_refusal if config.kv_eviction == "streaming" else refusal
+        if config.kv_eviction != "none" and why is not None:
+            raise ConfigError(f"kv_eviction={config.kv_eviction}: {why}")
         # the default window of every request (kv_eviction=streaming)
         self.default_window = (StreamingWindow(config.kv_sink_tokens, config.kv_window)
                                if config.kv_eviction == "streaming" else None)
@@ -32,9 +36,9 @@ class KVEviction:
         return window.blocks_held(self.config.block_size, self.config.max_num_batched_tokens) + self.tail_blocks
 
     def _refuse(self, kind: str) -> None:
-        if self.refusal is not None:
-            raise InvalidRequestError(f"kv_eviction={kind} is not available here: {self.refusal}",
-                                      param="kv_eviction")
+        why = self.streaming_refusal if kind == "streaming" else self.refusal
+        if why is not None:
+            raise InvalidRequestError(f"kv_eviction={kind} is not available here: {why}", param="kv_eviction")
 
     def request_window(self, params: SamplingParams, pool_blocks: int) -> StreamingWindow | None:
         """The request's streaming window: its own kv_eviction settings within the engine's (a

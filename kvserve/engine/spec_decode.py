@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -214,19 +214,16 @@ class AcceptanceEstimate:
 class SpecDecoder:
     """Per step: who drafts, how many tokens, and the counters (SpecDecodeStats)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, block_size: int, tail_blocks: bool,
-                 max_model_len: int, proposal_cost: float = 0.0) -> None:
-        """``tail_blocks``: the pool quantizes a block in the step that fills it (int4, per-block
-        int8), so drafts must stop before a block's last slot: a quantized block could not take
-        back a rejected token (with block_size 1 a block holds one token and is freed whole).
-        ``proposal_cost``: what drafting one token costs, in target decode steps (a draft
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
+                 proposal_cost: float = 0.0, lookahead_room: Callable[[Request], int | None] | None = None) -> None:
+        """``proposal_cost``: what drafting one token costs, in target decode steps (a draft
         model's size relative to the target's): with verification's, the cost of a draft token
-        unless config.draft_token_cost says otherwise."""
+        unless config.draft_token_cost says otherwise. ``lookahead_room``: the most drafts the KV
+        cache lets a decoding request carry (KVCacheManager.lookahead_room; None: no bound)."""
         self.config = config
         self.proposal_cost = proposal_cost
         self.proposer = proposer
-        self.block_size = block_size
-        self.stop_before_block_end = tail_blocks and block_size > 1
+        self.lookahead_room = lookahead_room
         self.max_model_len = max_model_len
         # (proposal key, greedy) -> its estimate: sampled requests accept less often than greedy ones
         self.estimates: dict[tuple[int, bool], AcceptanceEstimate] = {}
@@ -251,12 +248,11 @@ class SpecDecoder:
 
     def draft_room(self, request: Request) -> int:
         """The most drafts the request can take now: within num_speculative_tokens, max_tokens,
-        max_model_len and (tail-block pools) the current block."""
+        max_model_len and what its KV cache allows (lookahead_room)."""
         k = min(self.config.num_speculative_tokens, request.params.max_tokens - len(request.output_token_ids) - 1,
                 self.max_model_len - request.num_tokens - 1)
-        if self.stop_before_block_end:
-            k = min(k, self.block_size - 1 - request.num_tokens % self.block_size)
-        return max(k, 0)
+        room = self.lookahead_room(request) if self.lookahead_room is not None else None
+        return max(min(k, room) if room is not None else k, 0)
 
     def _some_class_pays(self, cost: float) -> bool:
         """Some class of proposals (one not seen yet included) is worth drafting at ``cost``."""
