@@ -82,3 +82,15 @@ def test_the_runner_reads_only_the_step_plan() -> None:
     names = imported_modules(ROOT / "engine" / "model_runner.py")
     assert "kvserve.engine.step_plan" in names
     assert not names & {"kvserve.cache.kv_cache_manager", "kvserve.engine.scheduler", "kvserve.cache.prefix_cache"}
+
+
+def test_the_server_and_tools_read_the_engine_through_its_public_surface() -> None:
+    """The server, the cluster, the load tester, the planner and the tuner use LLMEngine's public
+    methods and stats, never its KV manager, scheduler, runner or storage."""
+    import re
+
+    inner = re.compile(r"engine\.(kv_manager|scheduler|runner|kv_cache)\b")
+    wrong = [f"{path.relative_to(ROOT)}:{n}" for package in ("server", "cluster", "bench", "plan", "tune")
+             for path in (ROOT / package).rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if inner.search(line)]
+    assert not wrong, wrong

@@ -692,11 +692,12 @@ class PagedKVCache:
                 tensor[self.zeroed_up_to + 1 : max_block_id + 1].zero_()
             self.zeroed_up_to = max_block_id
 
-    def clip_stats(self) -> tuple[int, int]:
-        """(elements clipped by static scales, elements checked) over all layers so far; the
-        counter is only read when some layer checks (static scales), so float pools never sync."""
+    def clip_ratio(self) -> float:
+        """Share of K/V elements clipped by static (calibrated) scales over all layers so far: the
+        drift watch. The counter is only read when some layer checks (static scales), so float
+        pools never sync."""
         checked = sum(layer.checked for layer in self.layers)
-        return (int(self.clipped) if checked else 0), checked
+        return int(self.clipped) / checked if checked else 0.0
 
     @property
     def nbytes(self) -> int:

@@ -201,20 +201,24 @@ class LLMEngine:
         stats = self.kv_manager.stats()
         stats.num_preemptions = self.num_preemptions
         stats.kv_cache_dtype = self.kv_cache_dtype
-        stats.clip_ratio = self.clip_ratio()
+        stats.clip_ratio = self.kv_cache.clip_ratio()
         stats.evicted_bytes_now = stats.evicted_tokens_now * self.kv_bytes_per_token
         stats.spec_decode = self.spec.snapshot() if self.spec is not None else None
         return stats
 
-    def clip_ratio(self) -> float:
-        """Share of K/V elements clipped by static (calibrated) scales so far: the drift watch."""
-        clipped, checked = self.kv_cache.clip_stats()
-        return clipped / checked if checked else 0.0
+    def take_tier_load_seconds(self) -> list[tuple[str, float]]:
+        """(tier, seconds) of each block loaded back into the pool since the last call."""
+        return self.kv_cache.take_load_seconds()
+
+    def close(self) -> None:
+        """Finish what outlives the engine: tier 2's queued block writes, so a restart finds them."""
+        if self.kv_manager.disk_tier is not None:
+            self.kv_manager.disk_tier.close()
 
     def _watch_drift(self) -> None:
         if self._clip_warned:
             return
-        ratio = self.clip_ratio()
+        ratio = self.kv_cache.clip_ratio()
         if ratio > CLIP_WARN_RATIO:
             self._clip_warned = True
             logger.warning("KV scales drift: %.3f%% of cached K/V values were clipped by the static scales "

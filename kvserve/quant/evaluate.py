@@ -206,7 +206,7 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
             v.name, engine.kv_cache_dtype, mode, t.count, ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.count,
             t.agree / t.count, engine.kv_bytes_per_token, engine.kv_bytes_per_token / fp16_per_token,
             budget // (held_blocks(engine, context, chunk) * engine.kv_block_bytes + engine.kv_tail_bytes),
-            engine.clip_ratio(), secs))
+            engine.kv_cache.clip_ratio(), secs))
     return results
 
 

@@ -71,9 +71,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
-        disk = self.engine.kv_manager.disk_tier
-        if disk is not None:  # finish the queued block writes, so a restart finds them
-            disk.close()
+        self.engine.close()
 
     @property
     def kv_stats(self) -> KVCacheStats:
@@ -204,6 +202,6 @@ class AsyncEngine:
         with self._lock:
             self._stats = stats
             self._engine_waiting = self.engine.num_waiting
-            self._running = len(self.engine.scheduler.running)
+            self._running = self.engine.num_running
         if self.on_step is not None:
             self.on_step(outputs)

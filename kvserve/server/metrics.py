@@ -187,10 +187,10 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
         self.tier_load = Histogram("kvserve:kv_tier_load_seconds", "Time to bring one block back into the pool "
                                    "from a KV tier", ["tier"], buckets=_LOAD, registry=self.registry)
-        self.kv_cache = engine.engine.kv_cache
+        self.llm_engine = engine.engine  # the loop's engine: tier load times
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
-        for tier, seconds in self.kv_cache.take_load_seconds():
+        for tier, seconds in self.llm_engine.take_tier_load_seconds():
             self.tier_load.labels(tier).observe(seconds)
         for out in outputs:
             if not out.finished:
