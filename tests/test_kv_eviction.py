@@ -191,6 +191,13 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
         streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="16KiB")
     with pytest.raises(ConfigError, match="method layer_skip keeps a draft cache of the whole sequence"):
         streaming_engine(model, window=32, speculative_config={"method": "layer_skip", "num_draft_layers": 1})
+    gemma, mla = tiny_model_factory("gemma3_text"), tiny_model_factory("deepseek_v2")
+    with pytest.raises(ConfigError, match="kv_eviction=streaming: sliding-window models are not supported yet"):
+        streaming_engine(gemma, window=32)
+    for refused in (gemma, mla):  # SnapKV keeps a set per KV head: MLA's latent has none
+        with pytest.raises(ConfigError, match="kv_eviction=snapkv: MLA and sliding-window models are not supported"):
+            LLMEngine(EngineConfig(model=str(refused), dtype="float32", kv_cache_memory="4MiB", kv_eviction="snapkv"))
+    streaming_engine(mla, window=32)  # MLA streams: its latent's rotary key is turned
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -572,3 +579,36 @@ def test_compacted_tokens_are_requantized_in_every_format(kind: str, mode: str) 
     for tokens, index, kept in zip(read, keep, cache.read_tokens([16, 17], 6, tail_slot), strict=True):
         picked = tokens.gather(1, index.repeat(2, 1)[:, :, None].expand(-1, -1, dim))
         assert (kept - picked).abs().max() <= bound
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2", "deepseek_v3"])
+def test_streaming_one_layer_equals_a_fresh_run_on_the_kept_tokens(tiny_model_factory: Callable[..., Path],
+                                                                  arch: str) -> None:
+    """In a one-layer model a token's K/V depend only on the token and its position, so after
+    each eviction the streaming cache equals a fresh prefill of the tokens it keeps (the sinks,
+    then from the window's start less the last sink block's spare slots on) at consecutive
+    positions: the turned sink keys and the window's shifted positions give the same distances.
+    Every next token and its log-probability equal that fresh run's (MLA: only the latent's
+    rotary key is turned)."""
+    model = tiny_model_factory(arch, num_hidden_layers=1)
+    sinks, window, block_size, steps = 3, 20, 4, 90
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    base = dict(model=str(model), dtype="float32", block_size=block_size, kv_cache_memory="4MiB")
+    engine = LLMEngine(EngineConfig(**base, kv_eviction="streaming", kv_sink_tokens=sinks, kv_window=window))
+    start = prompt(12, 5)
+    engine.add_request(start, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = engine.step()[-1]
+    assert final is not None and engine.kv_stats().evicted_tokens > 0
+    fresh = LLM(**base, enable_prefix_caching=False)
+    tokens = start + final.token_ids
+    sink_len = -(-sinks // block_size) * block_size
+    for t in range(steps):
+        query = len(start) + t - 1
+        shift = max(0, (query - window + 1) // block_size * block_size - sink_len)
+        kept = tokens[: query + 1] if shift == 0 else tokens[:sinks] + tokens[sinks + shift : query + 1]
+        want = fresh.generate([kept], SamplingParams(temperature=0.0, max_tokens=1, logprobs=0))[0]
+        assert want.token_ids == [final.token_ids[t]], f"step {t} (shift {shift})"
+        assert want.logprobs is not None and final.logprobs is not None
+        assert abs(want.logprobs[0] - final.logprobs[t]) < 1e-4

@@ -335,6 +335,10 @@ class LatentKV(FloatKV):
         rows = key.to(self.data.dtype).reshape(-1, self.data.shape[-1])
         self.data.view(-1, self.data.shape[-1]).index_copy_(0, index.write_rows, rows)
 
+    def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Whole blocks [N, 1, block_size, latent_dim] (as read_blocks gives them): no K/V halves."""
+        self.data.index_copy_(0, block_ids, blocks.to(self.data.dtype))
+
 
 @register(*((kind, mode) for kind in FP8_TYPES for mode in KEY_SCALE_MODES))
 class Fp8KV(LayerKV):

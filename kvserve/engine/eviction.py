@@ -11,14 +11,14 @@ from kvserve.engine.sampling import SamplingParams
 
 
 class KVEviction:
-    """``refusal``: why this engine cannot evict at all (None: it can); ``streaming_refusal``: why
-    it cannot stream though it may compact; ``tail_blocks``: the pool blocks a sequence's tail run
-    takes (a streaming request holds one besides its window)."""
+    """``refusal``: why this engine cannot compact a request's KV (snapkv; None: it can);
+    ``streaming_refusal``: why it cannot stream one; ``tail_blocks``: the pool blocks a
+    sequence's tail run takes (a streaming request holds one besides its window)."""
 
-    def __init__(self, config: EngineConfig, refusal: str | None, tail_blocks: int,
-                 streaming_refusal: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, refusal: str | None, streaming_refusal: str | None,
+                 tail_blocks: int) -> None:
         self.config, self.refusal, self.tail_blocks = config, refusal, tail_blocks
-        self.streaming_refusal = refusal or streaming_refusal
+        self.streaming_refusal = streaming_refusal
         why = self.streaming_refusal if config.kv_eviction == "streaming" else refusal
         if config.kv_eviction != "none" and why is not None:
             raise ConfigError(f"kv_eviction={config.kv_eviction}: {why}")

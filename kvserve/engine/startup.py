@@ -82,7 +82,7 @@ class EngineStartup:
         self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
         self.kv_tail_bytes = self.tail_blocks * self.kv_block_bytes
         self.draft = self._draft_model()
-        self.eviction = KVEviction(config, self._eviction_refusal(), self.tail_blocks, self._streaming_refusal())
+        self.eviction = KVEviction(config, self._compaction_refusal(), self._streaming_refusal(), self.tail_blocks)
         if self.eviction.default_window is not None and config.enable_prefix_caching:
             logger.info("kv_eviction=streaming: streaming requests neither share nor reuse cached prefix blocks "
                         "(their sink blocks are turned in place)")
@@ -126,15 +126,21 @@ class EngineStartup:
                               f"{self.config.model}; a draft model must share the target's vocabulary")
         return DraftModel(loaded.model, loaded.weight_bytes, loaded.weight_bytes / self.weight_bytes)
 
-    def _eviction_refusal(self) -> str | None:
-        """Why this engine cannot evict (stream or compact) any request's KV (None: it can)."""
-        if self.model_config.mla is not None or len(self.kv_groups) != 1 or any(self.model_config.layer_windows):
+    def _sliding(self) -> bool:
+        return len(self.kv_groups) != 1 or any(self.model_config.layer_windows)
+
+    def _compaction_refusal(self) -> str | None:
+        """Why this engine cannot compact a request's KV (SnapKV) (None: it can)."""
+        if self.model_config.mla is not None or self._sliding():
             return "MLA and sliding-window models are not supported yet"
         return None
 
     def _streaming_refusal(self) -> str | None:
-        """Why this engine cannot stream a request although it can evict (None: it can): a draft
-        model keeps its own cache of the whole sequence, which a stream outgrows."""
+        """Why this engine cannot stream a request (None: it can): sliding-window layers keep
+        cache positions of their own; a draft model keeps a cache of the whole sequence, which a
+        stream outgrows."""
+        if self._sliding():
+            return "sliding-window models are not supported yet"
         spec = self.config.speculative_config
         if isinstance(spec, SpeculativeConfig) and spec.method != "ngram":
             return f"speculative decoding with method {spec.method} keeps a draft cache of the whole sequence; " \

@@ -45,18 +45,25 @@ class StreamingHook:
         if eviction is None:
             return
         sinks = self.kv_cache.read_blocks(eviction.sink_block_ids)
-        kv_heads = self.model.config.num_kv_heads
         if eviction.first:
-            self._sink_keys[request.request_id] = [blocks[:, :kv_heads].clone() for blocks in sinks]
+            self._sink_keys[request.request_id] = [self._rotated(blocks).clone() for blocks in sinks]
         if self._inv_freq is None:
             self._inv_freq = rope_inv_freq(self.model.config).to(self.device)
         cos, signed_sin = rope_at(torch.tensor([eviction.shift], device=self.device), self._inv_freq)
         donor = None if eviction.donor_block_id is None else self.kv_cache.read_blocks([eviction.donor_block_id])
         for layer, (blocks, keys) in enumerate(zip(sinks, self._sink_keys[request.request_id], strict=True)):
-            blocks[:, :kv_heads] = apply_rope(keys, cos[0], signed_sin[0])
+            self._rotated(blocks).copy_(apply_rope(keys, cos[0], signed_sin[0]))
             if donor is not None:
                 blocks[-1, :, eviction.spare_from :] = donor[layer][0, :, eviction.spare_from :]
         self.kv_cache.write_blocks(eviction.sink_block_ids, sinks)
+
+    def _rotated(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The view of read blocks that rotary turned: the keys [N, kv_heads, block_size, dim],
+        or in MLA's latent blocks [N, 1, block_size, latent_dim] the rotary key after the latent."""
+        mla = self.model.config.mla
+        if mla is not None:
+            return blocks[..., mla.kv_lora_rank :]
+        return blocks[:, : self.model.config.num_kv_heads]
 
     def finish(self, request_id: str) -> None:
         self._sink_keys.pop(request_id, None)
