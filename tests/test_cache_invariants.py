@@ -265,19 +265,25 @@ def test_scheduler_never_drops_or_corrupts(workload, rnd) -> None:  # type: igno
 
 @given(st.sampled_from([1, 4, 16]), st.integers(0, 20), st.integers(1, 40), st.integers(1, 64),
        st.lists(st.tuples(st.integers(1, 60), st.integers(1, 200)), min_size=1, max_size=8),
-       st.sampled_from([0, 40]), st.randoms(use_true_random=False))
+       st.sampled_from([0, 40]), st.booleans(), st.randoms(use_true_random=False))
 @settings(max_examples=100, deadline=None)
 def test_streaming_eviction_keeps_sinks_and_window(block_size, sinks, window, budget, specs, tier_blocks,  # type: ignore[no-untyped-def]
-                                                   rnd) -> None:
+                                                   hybrid, rnd) -> None:
     """The scheduler and a streaming manager (evict before each step, as the engine does), with
     bookkeeping in place of the model: each table holds its sink blocks (the same blocks from
     the first eviction on, until a swap moves them) and its window, never more than StreamingWindow.blocks_held; the
-    accounting holds after every step, with aborts and preemption; nothing leaks."""
+    accounting holds after every step, with aborts and preemption; nothing leaks. With sliding
+    groups beside the full one, they close up with it and keep their windows."""
     streaming = StreamingWindow(sinks, window)
     held = streaming.blocks_held(block_size, budget)
-    num_blocks = 1 + held * 2 + rnd.randint(0, held)  # room for two or three requests: preemption
+    # hybrid: two sliding groups besides the full one, which the stream's window covers
+    groups = [FULL_ATTENTION, *([KVCacheSpec(5)] * 2 if hybrid else [])]
+    assume(not hybrid or window >= 5)
+    per_request = held + sum(spec.blocks_held(1 << 30, block_size, budget) for spec in groups[1:])
+    num_blocks = 1 + per_request * 2 + rnd.randint(0, per_request)  # room for two or three requests: preemption
     tier = TierIndex("cpu", tier_blocks, 1) if tier_blocks else None
-    kv = KVCacheManager(num_blocks, block_size, host_tier=tier, max_chunk_tokens=budget, streaming=streaming)
+    kv = KVCacheManager(num_blocks, block_size, host_tier=tier, max_chunk_tokens=budget, streaming=streaming,
+                        groups=groups)
     sched = Scheduler(kv, 4, budget, preemption_mode="swap" if tier else "recompute")
     requests = [Request(f"r{i}", [1] * prompt, SamplingParams(max_tokens=out), i) for i, (prompt, out) in
                 enumerate(specs)]

@@ -192,12 +192,11 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
     with pytest.raises(ConfigError, match="method layer_skip keeps a draft cache of the whole sequence"):
         streaming_engine(model, window=32, speculative_config={"method": "layer_skip", "num_draft_layers": 1})
     gemma, mla = tiny_model_factory("gemma3_text"), tiny_model_factory("deepseek_v2")
-    with pytest.raises(ConfigError, match="kv_eviction=streaming: sliding-window models are not supported yet"):
-        streaming_engine(gemma, window=32)
     for refused in (gemma, mla):  # SnapKV keeps a set per KV head: MLA's latent has none
         with pytest.raises(ConfigError, match="kv_eviction=snapkv: MLA and sliding-window models are not supported"):
             LLMEngine(EngineConfig(model=str(refused), dtype="float32", kv_cache_memory="4MiB", kv_eviction="snapkv"))
     streaming_engine(mla, window=32)  # MLA streams: its latent's rotary key is turned
+    streaming_engine(gemma, window=32, max_num_batched_tokens=16)  # and sliding-window models: their full group
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -612,3 +611,78 @@ def test_streaming_one_layer_equals_a_fresh_run_on_the_kept_tokens(tiny_model_fa
         assert want.token_ids == [final.token_ids[t]], f"step {t} (shift {shift})"
         assert want.logprobs is not None and final.logprobs is not None
         assert abs(want.logprobs[0] - final.logprobs[t]) < 1e-4
+
+
+def record_first_evictions(engine: LLMEngine) -> list[tuple[Any, list[torch.Tensor]]]:
+    """Each request's first eviction with its sink blocks as written (read before the turn)."""
+    firsts: list[tuple[Any, list[torch.Tensor]]] = []
+    evict = engine.kv_manager.evict
+
+    def recording(request_id: str, first_query: int) -> Any:
+        eviction = evict(request_id, first_query)
+        if eviction is not None and eviction.first:
+            firsts.append((eviction, [b.clone() for b in engine.kv_cache.read_blocks(eviction.sink_block_ids)]))
+        return eviction
+
+    engine.kv_manager.evict = recording  # type: ignore[method-assign]
+    return firsts
+
+
+def check_sinks_turned(engine: LLMEngine, firsts: list[tuple[Any, list[torch.Tensor]]], model: Path) -> int:
+    """After a first eviction the sink keys of every storage slot (the full-attention layers' in
+    a hybrid pool) are their keys as written, turned by the shift with transformers' own global
+    rotary embedding (Gemma 3's full layers; its sliding layers use another base)."""
+    from transformers import AutoConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding, apply_rotary_pos_emb
+
+    rotary = Gemma3RotaryEmbedding(AutoConfig.from_pretrained(str(model)))
+    sinks, checked = engine.config.kv_sink_tokens, len(firsts)
+    while firsts:
+        eviction, written = firsts.pop()
+        now = engine.kv_cache.read_blocks(eviction.sink_block_ids)
+        for before, after in zip(written, now, strict=True):
+            heads = before.shape[1] // 2
+            keys = before[:, :heads].transpose(0, 1).reshape(heads, -1, before.shape[-1])[None, :, :sinks]
+            cos, sin = rotary(keys, torch.tensor([[eviction.shift] * sinks]), "full_attention")
+            _, turned = apply_rotary_pos_emb(keys, keys, cos, sin)
+            got = after[:, :heads].transpose(0, 1).reshape(heads, -1, after.shape[-1])[None, :, :sinks]
+            torch.testing.assert_close(got, turned, atol=2e-2 if engine.kv_cache_dtype == "int8" else 1e-5, rtol=0)
+    return checked
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_streaming_on_sliding_window_groups_equals_one_table(tiny_model_factory: Callable[..., Path],
+                                                              kv_dtype: str) -> None:
+    """Gemma 3 (tiny: window 8, two full layers of six): streaming evicts in the full-attention
+    group and closes every sliding group's table up by the same entries (out of their windows),
+    each group keeping its own window. The tokens and log-probabilities equal those of one table
+    for every layer (--disable-hybrid-kv-cache-manager, where the stream's cut applies to all
+    layers and the sliding layers' masks keep their windows), while the sliding groups hold
+    their windows only and every invariant holds each step."""
+    model = tiny_model_factory("gemma3_text")
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, logprobs=0)
+    runs, held = [], []
+    for one_table in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, kv_cache_memory="8MiB",
+                                        max_num_batched_tokens=16, kv_cache_dtype=kv_dtype, kv_eviction="streaming",
+                                        kv_sink_tokens=3, kv_window=16, disable_hybrid_kv_cache_manager=one_table))
+        ids = [engine.add_request(p, params).request_id for p in (prompt(10, 1), prompt(30, 2))]
+        firsts, turns = record_first_evictions(engine), 0
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update((out.request_id, out) for out in engine.step())
+            check_manager(engine.kv_manager)
+            turns += check_sinks_turned(engine, firsts, model)
+            if not one_table:
+                held += [len(table) for record in engine.kv_manager.holders().values()
+                         for table in record.live_tables()[1:]]
+        runs.append([final[i] for i in ids])
+        assert engine.kv_stats().evicted_tokens > 0 and engine.kv_manager.pool.num_used_blocks == 0
+        assert turns == len(ids)  # each request's first eviction was checked
+    hybrid, one = runs
+    assert [o.token_ids for o in hybrid] == [o.token_ids for o in one]
+    for a, b in zip(hybrid, one, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert max(held) <= -(-(8 - 1 + 16 - 1) // 4) + 1  # a sliding group: its window's and a chunk's blocks
+    with pytest.raises(ConfigError, match="kv_window=4 is shorter than the model's sliding window of 8"):
+        LLMEngine(EngineConfig(model=str(model), kv_cache_memory="4MiB", kv_eviction="streaming", kv_window=4))

@@ -49,7 +49,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.groups = list(groups)
         if streaming is not None:
-            self._check_streamable()
+            self._check_streamable(streaming)
         self.max_chunk_tokens = max_chunk_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.streaming = streaming
@@ -103,13 +103,20 @@ class KVCacheManager:
         """The request streams with ``window`` (None: it keeps every block) whatever the default;
         before its first allocation, until forget()."""
         if window is not None:
-            self._check_streamable()
+            self._check_streamable(window)
         record = self._record(request_id)
         record.window, record.policies = window, self._policies(window, record.compacted)
 
-    def _check_streamable(self) -> None:
-        if len(self.groups) != 1 or self.groups[0].sliding_window:
+    def _check_streamable(self, window: StreamingWindow) -> None:
+        """Streaming takes the one full-attention group (group 0); sliding groups keep their own
+        windows, which ``window`` must cover, so that every block it evicts is out of them too."""
+        full = [spec for spec in self.groups if not spec.sliding_window]
+        if len(full) != 1 or self.groups[0].sliding_window:
             raise ValueError("streaming eviction takes one full-attention group")
+        widest = max((spec.sliding_window for spec in self.groups), default=0)
+        if window.window < widest:
+            raise ValueError(f"a streaming window of {window.window} tokens is shorter than the model's sliding "
+                             f"window of {widest}")
 
     def window_of(self, request_id: str) -> StreamingWindow | None:
         record = self.requests.get(request_id)
@@ -176,7 +183,10 @@ class KVCacheManager:
     def evict(self, request_id: str, first_query: int) -> Eviction | None:
         """Streaming: free the blocks between the sinks and the window of a query at absolute
         position ``first_query`` (the request's next token; every earlier one is computed) and
-        close the table up; None if nothing left."""
+        close the table up; None if nothing left. Sliding groups (group 0 is the full-attention
+        one) close theirs up by the same entries, all out of their windows (_check_streamable):
+        released ones are the null block, the rest are freed now, so every group keeps one cache
+        position per token."""
         record = self.requests.get(request_id)
         if record is None or record.tables is None or not isinstance(record.policies[0], Streaming):
             return None
@@ -185,14 +195,23 @@ class KVCacheManager:
         if drop <= 0:
             return None
         sinks = window.sink_blocks(size)
-        table = record.tables[0]
-        dead = table[sinks : sinks + drop]
-        del table[sinks : sinks + drop]
-        self.pool.free_blocks(dead[::-1])
-        self._take_out(record, drop * size)
+        before = record.stored_tokens(size)
+        for group, table in enumerate(record.tables):
+            dead = table[sinks : sinks + drop]
+            del table[sinks : sinks + drop]
+            released = record.num_released[group]
+            nulls = max(0, min(released, sinks + drop) - sinks)
+            record.num_released[group] = released - nulls
+            self.pool.free_blocks(dead[nulls:][::-1])
+            if group == 0:
+                donor = dead[-1]
+        record.num_tokens -= drop * size
+        record.evicted += drop * size
+        self.num_evicted_tokens += drop * size
+        self._logical_tokens += record.stored_tokens(size) - before
         spare = window.spare_slots(size)
-        return Eviction([block.block_id for block in table[:sinks]], record.evicted, evicted == 0,
-                        dead[-1].block_id if spare else None, size - spare)
+        return Eviction([block.block_id for block in record.tables[0][:sinks]], record.evicted, evicted == 0,
+                        donor.block_id if spare else None, size - spare)
 
     # ------------------------------------------------------------------ allocation
 

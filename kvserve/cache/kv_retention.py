@@ -147,12 +147,13 @@ class Streaming(RetentionPolicy):
 
 def retention_for(spec: KVCacheSpec, window: StreamingWindow | None = None,
                   compacted: bool = False) -> RetentionPolicy:
-    """The policy for a group of ``spec`` and a request that streams with ``window`` or was
-    compacted (both only on a full-attention group)."""
-    if (window is not None or compacted) and spec.sliding_window:
-        raise ValueError("streaming and compaction take a full-attention group")
+    """The policy for a group of ``spec`` and a request that streams with ``window`` (its
+    full-attention group; sliding groups keep their own windows) or was compacted (only on a
+    full-attention group)."""
+    if compacted and spec.sliding_window:
+        raise ValueError("compaction takes a full-attention group")
     if compacted:
         return Compacted()
-    if window is not None:
-        return Streaming(window)
-    return SlidingWindow(spec) if spec.sliding_window else FullAttention()
+    if spec.sliding_window:
+        return SlidingWindow(spec)
+    return Streaming(window) if window is not None else FullAttention()

@@ -4,6 +4,9 @@ where the request asks for more than the engine allows or the model cannot do.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
 from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.request import InvalidRequestError
@@ -13,12 +16,18 @@ from kvserve.engine.sampling import SamplingParams
 class KVEviction:
     """``refusal``: why this engine cannot compact a request's KV (snapkv; None: it can);
     ``streaming_refusal``: why it cannot stream one; ``tail_blocks``: the pool blocks a
-    sequence's tail run takes (a streaming request holds one besides its window)."""
+    sequence's tail run takes (a streaming request holds one per KV cache group besides its
+    window); ``groups``: the KV cache groups' specs (a stream's window must cover every sliding
+    one)."""
 
     def __init__(self, config: EngineConfig, refusal: str | None, streaming_refusal: str | None,
-                 tail_blocks: int) -> None:
+                 tail_blocks: int, groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,)) -> None:
         self.config, self.refusal, self.tail_blocks = config, refusal, tail_blocks
-        self.streaming_refusal = streaming_refusal
+        self.streaming_refusal, self.groups = streaming_refusal, list(groups)
+        self.narrowest_window = max((spec.sliding_window for spec in self.groups), default=0)
+        if config.kv_eviction == "streaming" and config.kv_window < self.narrowest_window:
+            raise ConfigError(f"kv_window={config.kv_window} is shorter than the model's sliding window of "
+                              f"{self.narrowest_window} tokens: a stream keeps at least what its sliding layers read")
         why = self.streaming_refusal if config.kv_eviction == "streaming" else refusal
         if config.kv_eviction != "none" and why is not None:
             raise ConfigError(f"kv_eviction={config.kv_eviction}: {why}")
@@ -32,8 +41,11 @@ class KVEviction:
 
     def streaming_blocks(self, window: StreamingWindow) -> int:
         """Pool blocks one request streaming with ``window`` holds at most (with a prefill chunk
-        of max_num_batched_tokens in flight)."""
-        return window.blocks_held(self.config.block_size, self.config.max_num_batched_tokens) + self.tail_blocks
+        of max_num_batched_tokens in flight): its sinks and window in the full-attention group,
+        each sliding group's window, a tail run per group."""
+        size, chunk = self.config.block_size, self.config.max_num_batched_tokens
+        sliding = sum(spec.blocks_held(1 << 30, size, chunk) for spec in self.groups if spec.sliding_window)
+        return window.blocks_held(size, chunk) + sliding + self.tail_blocks * len(self.groups)
 
     def _refuse(self, kind: str) -> None:
         why = self.streaming_refusal if kind == "streaming" else self.refusal
@@ -58,6 +70,9 @@ class KVEviction:
             if value > cfg.kv_window:
                 raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={cfg.kv_window}",
                                           param=name)
+        if window.window < self.narrowest_window:
+            raise InvalidRequestError(f"kv_window={window.window} is shorter than the model's sliding window of "
+                                      f"{self.narrowest_window} tokens", param="kv_window")
         held = self.streaming_blocks(window)
         if held > pool_blocks:
             raise InvalidRequestError(f"a streaming request needs {held} KV blocks, more than the pool's "

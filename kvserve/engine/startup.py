@@ -82,7 +82,8 @@ class EngineStartup:
         self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
         self.kv_tail_bytes = self.tail_blocks * self.kv_block_bytes
         self.draft = self._draft_model()
-        self.eviction = KVEviction(config, self._compaction_refusal(), self._streaming_refusal(), self.tail_blocks)
+        self.eviction = KVEviction(config, self._compaction_refusal(), self._streaming_refusal(), self.tail_blocks,
+                                   [group.spec for group in self.kv_groups])
         if self.eviction.default_window is not None and config.enable_prefix_caching:
             logger.info("kv_eviction=streaming: streaming requests neither share nor reuse cached prefix blocks "
                         "(their sink blocks are turned in place)")
@@ -136,11 +137,12 @@ class EngineStartup:
         return None
 
     def _streaming_refusal(self) -> str | None:
-        """Why this engine cannot stream a request (None: it can): sliding-window layers keep
-        cache positions of their own; a draft model keeps a cache of the whole sequence, which a
-        stream outgrows."""
-        if self._sliding():
-            return "sliding-window models are not supported yet"
+        """Why this engine cannot stream a request (None: it can): it streams its one
+        full-attention group (sliding groups keep their windows); a draft model keeps a cache of
+        the whole sequence, which a stream outgrows."""
+        full = sum(1 for group in self.kv_groups if not group.spec.sliding_window)
+        if full != 1:
+            return f"streaming takes one full-attention KV cache group; this model has {full}"
         spec = self.config.speculative_config
         if isinstance(spec, SpeculativeConfig) and spec.method != "ngram":
             return f"speculative decoding with method {spec.method} keeps a draft cache of the whole sequence; " \
