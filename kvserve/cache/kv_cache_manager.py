@@ -15,7 +15,7 @@ from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, capacity_tokens
 from kvserve.cache.kv_offload import OffloadManager
 from kvserve.cache.kv_plan import GroupBlocks, RequestBlocks, StorageWork
 from kvserve.cache.kv_retention import Compacted, Eviction, RetentionPolicy, Streaming, StreamingWindow, retention_for
-from kvserve.cache.kv_stats import KVCacheStats, KVGroupStats, PeakUsage
+from kvserve.cache.kv_stats import KVCacheStats, PeakUsage, usage_snapshot
 from kvserve.cache.kv_tiers import TierIndex
 from kvserve.cache.prefix_cache import CachedBlock, CachedPrefix, PrefixCache, TokenReader
 from kvserve.cache.request_kv import RequestKV, SwappedBlocks
@@ -60,7 +60,7 @@ class KVCacheManager:
         self.offload.attach(self.pool, enable_prefix_caching)
         self.prefix_cache = PrefixCache(self.pool, self.offload, block_size, len(self.groups), enable_prefix_caching)
         self.tails = TailRuns(self.pool, tail_blocks, len(self.groups))
-        self._logical_tokens = 0
+        self.logical_tokens = 0  # tokens the records hold, a shared block counted by every holder
         self.peaks = PeakUsage()
 
     @property
@@ -157,7 +157,7 @@ class KVCacheManager:
         """``tokens`` of the request's cached tokens left its tables (eviction, compaction)."""
         record.num_tokens -= tokens
         record.evicted += tokens
-        self._logical_tokens -= tokens
+        self.logical_tokens -= tokens
         self.num_evicted_tokens += tokens
 
     def compact(self, request_id: str, keep: int) -> tuple[list[int], list[int]] | None:
@@ -208,7 +208,7 @@ class KVCacheManager:
         record.num_tokens -= drop * size
         record.evicted += drop * size
         self.num_evicted_tokens += drop * size
-        self._logical_tokens += record.stored_tokens(size) - before
+        self.logical_tokens += record.stored_tokens(size) - before
         spare = window.spare_slots(size)
         return Eviction([block.block_id for block in record.tables[0][:sinks]], record.evicted, evicted == 0,
                         donor.block_id if spare else None, size - spare)
@@ -226,7 +226,7 @@ class KVCacheManager:
                 dead = table[released:live]
                 table[released:live] = [self.pool.null_block] * len(dead)
                 self.pool.free_blocks(dead[::-1])
-                self._logical_tokens -= self.block_size * len(dead)
+                self.logical_tokens -= self.block_size * len(dead)
                 record.num_released[group] = live
 
     def allocate_slots(self, request_id: str, num_tokens: int, tokens: TokenReader | None = None,
@@ -277,7 +277,7 @@ class KVCacheManager:
             if needed > len(table):
                 table.extend(self.pool.get_new_blocks(needed - len(table)))
         record.num_tokens = max(num_tokens, record.num_tokens)
-        self._logical_tokens += record.stored_tokens(self.block_size) - before
+        self.logical_tokens += record.stored_tokens(self.block_size) - before
         if self.enable_prefix_caching and tokens is not None and record.shares:
             self.prefix_cache.publish(record, num_tokens - num_lookahead_tokens, tokens)
         return True
@@ -345,7 +345,7 @@ class KVCacheManager:
             del table[keep:]
             self.pool.free_blocks(rejected[::-1])
         record.num_tokens = num_tokens
-        self._logical_tokens += record.stored_tokens(self.block_size) - before
+        self.logical_tokens += record.stored_tokens(self.block_size) - before
 
     # ------------------------------------------------------------------ swap, free
 
@@ -388,7 +388,7 @@ class KVCacheManager:
             tables.append([self.pool.null_block] * released + fresh[start : start + live])
             start += live
         record.tables, record.num_released, record.num_tokens = tables, list(state.num_released), state.num_tokens
-        self._logical_tokens += record.stored_tokens(self.block_size)
+        self.logical_tokens += record.stored_tokens(self.block_size)
         # its full blocks were published before: these copies are published again where no equal
         # block is cached
         record.num_published = 0
@@ -413,7 +413,7 @@ class KVCacheManager:
     def _release_blocks(self, record: RequestKV) -> None:
         if record.tables is None:
             return
-        self._logical_tokens -= record.stored_tokens(self.block_size)
+        self.logical_tokens -= record.stored_tokens(self.block_size)
         for table in record.live_tables():
             self.pool.free_blocks(table[::-1])
         self.tails.free(record.tails)
@@ -472,7 +472,7 @@ class KVCacheManager:
     def physical_tokens(self) -> int:
         """Slots holding a token, each block once: a shared block is full and counted by every
         holder in the logical sum, so its extra references come off."""
-        return self._logical_tokens - self.block_size * self.pool.num_shared_refs
+        return self.logical_tokens - self.block_size * self.pool.num_shared_refs
 
     def record_step(self) -> None:
         """Update peak and mean figures; called once per engine step."""
@@ -480,44 +480,4 @@ class KVCacheManager:
                           len(self.holders()))
 
     def stats(self) -> KVCacheStats:
-        used = self.pool.num_used_blocks
-        holders = self.holders()
-        tail_runs = sum(len(record.tails) for record in holders.values())
-        offload = self.offload
-        return KVCacheStats(
-            block_size=self.block_size,
-            num_blocks=self.pool.num_usable_blocks,
-            blocks_used=used,
-            blocks_free=self.pool.num_free_blocks,
-            blocks_cached=self.pool.num_cached_blocks,
-            live_tokens=self.physical_tokens,
-            allocated_slots=self.table_blocks_used * self.block_size,
-            num_requests=len(holders),
-            logical_tokens=self._logical_tokens,
-            peak_blocks_used=self.peaks.blocks,
-            peak_live_tokens=self.peaks.live_tokens,
-            peak_num_requests=self.peaks.requests,
-            utilization_at_peak=self.peaks.utilization_at_peak,
-            mean_utilization=self.peaks.mean_utilization,
-            per_request_blocks={rid: sum(map(len, record.live_tables())) for rid, record in holders.items()},
-            prefix_cache=self.prefix_cache.stats(),
-            tail_slots_used=tail_runs,
-            tail_blocks_used=tail_runs * self.tail_blocks,
-            tiers=offload.stats(),
-            swaps_out=offload.num_swaps_out, swaps_in=offload.num_swaps_in, swap_fallbacks=offload.num_swap_fallbacks,
-            num_swapped=sum(1 for record in self.requests.values() if record.swapped is not None),
-            groups=self.group_stats(),
-            evicted_tokens=self.num_evicted_tokens,
-            evicted_tokens_now=sum(record.evicted for record in holders.values()),
-        )
-
-    def group_stats(self) -> list[KVGroupStats]:
-        """Per group: the blocks its tables hold (a shared block once) and the tokens they store."""
-        held: list[set[int]] = [set() for _ in self.groups]
-        tokens = [0] * len(self.groups)
-        for record in self.holders().values():
-            for group, (live, first) in enumerate(zip(record.live_tables(), record.num_released, strict=True)):
-                held[group].update(block.block_id for block in live)
-                tokens[group] += record.num_tokens - first * self.block_size
-        return [KVGroupStats(spec.kind, spec.sliding_window, len(ids), count)
-                for spec, ids, count in zip(self.groups, held, tokens, strict=True)]
+        return usage_snapshot(self)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.cache.kv_tiers import TierStats
+
+if TYPE_CHECKING:  # the manager builds its snapshot here; it imports this module
+    from kvserve.cache.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -190,3 +194,48 @@ class PeakUsage:
     @property
     def mean_utilization(self) -> float:
         return self._util_sum / self._util_samples if self._util_samples else 1.0
+
+
+def usage_snapshot(kv: KVCacheManager) -> KVCacheStats:
+    """The manager's figures now: the pool, its requests' records, the prefix cache, the tiers."""
+    holders = kv.holders()
+    tail_runs = sum(len(record.tails) for record in holders.values())
+    offload, peaks = kv.offload, kv.peaks
+    return KVCacheStats(
+        block_size=kv.block_size,
+        num_blocks=kv.pool.num_usable_blocks,
+        blocks_used=kv.pool.num_used_blocks,
+        blocks_free=kv.pool.num_free_blocks,
+        blocks_cached=kv.pool.num_cached_blocks,
+        live_tokens=kv.physical_tokens,
+        allocated_slots=kv.table_blocks_used * kv.block_size,
+        num_requests=len(holders),
+        logical_tokens=kv.logical_tokens,
+        peak_blocks_used=peaks.blocks,
+        peak_live_tokens=peaks.live_tokens,
+        peak_num_requests=peaks.requests,
+        utilization_at_peak=peaks.utilization_at_peak,
+        mean_utilization=peaks.mean_utilization,
+        per_request_blocks={rid: sum(map(len, record.live_tables())) for rid, record in holders.items()},
+        prefix_cache=kv.prefix_cache.stats(),
+        tail_slots_used=tail_runs,
+        tail_blocks_used=tail_runs * kv.tail_blocks,
+        tiers=offload.stats(),
+        swaps_out=offload.num_swaps_out, swaps_in=offload.num_swaps_in, swap_fallbacks=offload.num_swap_fallbacks,
+        num_swapped=sum(1 for record in kv.requests.values() if record.swapped is not None),
+        groups=_group_usage(kv),
+        evicted_tokens=kv.num_evicted_tokens,
+        evicted_tokens_now=sum(record.evicted for record in holders.values()),
+    )
+
+
+def _group_usage(kv: KVCacheManager) -> list[KVGroupStats]:
+    """Per group: the blocks its tables hold (a shared block once) and the tokens they store."""
+    held: list[set[int]] = [set() for _ in kv.groups]
+    tokens = [0] * len(kv.groups)
+    for record in kv.holders().values():
+        for group, (live, first) in enumerate(zip(record.live_tables(), record.num_released, strict=True)):
+            held[group].update(block.block_id for block in live)
+            tokens[group] += record.num_tokens - first * kv.block_size
+    return [KVGroupStats(spec.kind, spec.sliding_window, len(ids), count)
+            for spec, ids, count in zip(kv.groups, held, tokens, strict=True)]
