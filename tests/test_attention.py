@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.kv_cache import KVWriteIndex, LayerKV
+from kvserve.cache.kv_layer import KVWriteIndex, LayerKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model import attention
 from kvserve.model.attention import (
@@ -480,7 +480,8 @@ def test_fused_rope_and_int8_write_quantizes_as_torch_does(dtype: torch.dtype, d
     for the keys it rotated: the same codes, value scales and clip count (scales small enough
     that some keys clip; head_dim 40 ends past the last 16 lanes). Pools it does not serve
     (per-block keys, int4, fp8) are left untouched."""
-    from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
+    from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.cache.kv_layer import KVQuantSpec
 
     torch.manual_seed(2)
     tokens, heads, kv_heads, block_size, blocks = 7, 9, 3, 4, 9
@@ -526,7 +527,8 @@ def test_fused_rope_and_tail_write_in_a_prefill_chunk_stores_what_torch_does(kin
     (TailKV.write of the same rotated K/V), bit for bit. The chunk continues a sequence whose 2
     cached tokens wait in its tail slot: 2 tokens complete that block (staged from the tail), 4
     fill the next one, the last starts a new partial block."""
-    from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache, TailPlan
+    from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.cache.kv_layer import KVQuantSpec, TailPlan
 
     torch.manual_seed(3)
     tokens, heads, kv_heads, dim, block_size, blocks = 7, 9, 3, 64, 4, 24

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.kv_cache import Int4KV, Int8BlockKV, KVQuantSpec, PoolShape
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes
+from kvserve.cache.kv_layer import KVQuantSpec, PoolShape
+from kvserve.cache.kv_layer_quant import Int4KV, Int8BlockKV
 from kvserve.cache.kv_quant import (
     KIND_CODES,
     QMAX,
@@ -252,8 +253,9 @@ FORMATS = [("fp32", "static"), ("bf16", "static"), ("fp8_e4m3", "static"), ("fp8
 def test_each_format_is_one_registered_class_and_blocks_copy_in_stored_format(kind: str, mode: str) -> None:
     """The registry picks one class per format; the byte formula, the tail rule and the tensors a
     block copy moves all come from it, so moving a block (swap, tiers) touches that class only."""
-    from kvserve.cache.kv_cache import KV_FORMATS, KVQuantSpec, PagedKVCache, format_class
+    from kvserve.cache.kv_cache import PagedKVCache
     from kvserve.cache.kv_format import KVLayout, keeps_tail_block, kv_block_bytes
+    from kvserve.cache.kv_layer import KV_FORMATS, KVQuantSpec, format_class
 
     assert {k for k, _ in KV_FORMATS} >= {k for k, _ in FORMATS}
     layers, blocks, block_size, heads, dim = 2, 6, 4, 2, 64

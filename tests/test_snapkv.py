@@ -264,7 +264,8 @@ def test_compacted_tokens_are_requantized_in_every_format(kind: str, mode: str) 
     written (fp8 keys un-rotated, a partial last block in the tail slot where the format keeps
     one); writing what was read changes nothing more; a gathered subset reads back as the
     subset of the original, its blocks re-quantized with scales fitted to it."""
-    from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
+    from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.cache.kv_layer import KVQuantSpec
 
     layers, heads, dim, size, length = 2, 2, 16, 4, 10
     gen = torch.Generator().manual_seed(0)

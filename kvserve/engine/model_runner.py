@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.cache.kv_cache import KVWriteIndex, LayerKV, PagedKVCache, TailPlan
+from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_layer import KVWriteIndex, LayerKV, TailPlan
 from kvserve.engine.sampling import SampleResult, TokenHistory, sample
 from kvserve.engine.spec_decode import verify
 from kvserve.engine.step_plan import ScheduledChunk

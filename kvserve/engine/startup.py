@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from kvserve.cache.kv_cache import KVQuantSpec, PagedKVCache
+from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_disk import DiskTier, namespace
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes, normalize_kv_dtype, num_blocks_for_budget, tail_blocks
 from kvserve.cache.kv_groups import capacity_tokens, layer_slots
+from kvserve.cache.kv_layer import KVQuantSpec
 from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
 from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_scales import KVScales

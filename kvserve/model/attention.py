@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kvserve.cache.kv_cache import Int4KV, Int8BlockKV, Int8StaticKV, KVWriteIndex, LayerKV, TailKV
+from kvserve.cache.kv_layer import KVWriteIndex, LayerKV
+from kvserve.cache.kv_layer_quant import Int4KV, Int8BlockKV, Int8StaticKV, TailKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
 from kvserve.model.cpu_kernels import cpu_op
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.cache.kv_cache import LayerKV
+from kvserve.cache.kv_layer import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_latent_attention
 from kvserve.model.llama import (
     LlamaForCausalLM,

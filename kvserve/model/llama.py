@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.cache.kv_cache import LayerKV
+from kvserve.cache.kv_layer import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.loader import ModelConfig, ModelLoadError

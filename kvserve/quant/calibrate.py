@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.cache.kv_cache import LayerKV
+from kvserve.cache.kv_layer import LayerKV
 from kvserve.cache.kv_scales import KVScales, length_summary
 from kvserve.config import ConfigError
 from kvserve.engine.sampling import SamplingParams
