@@ -84,8 +84,8 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.loading import load_model
 from kvserve.engine.sampling import SamplingParams
 from kvserve.llm import LLM, chat_token_ids
-from kvserve.model.llama import apply_rope, rope_at, rope_inv_freq
 from kvserve.model.loader import ModelConfig
+from kvserve.model.rope import apply_rope, rope_at, rope_inv_freq
 from kvserve.quant.evaluate import chunk_logprobs
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, SINK_BLOCKS = 30, 3, 64, 16, 1

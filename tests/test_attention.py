@@ -28,7 +28,7 @@ from kvserve.model.attention import (
     use_prefill_kernel,
 )
 from kvserve.model.cpu_kernels import cpu_op
-from kvserve.model.llama import apply_rope
+from kvserve.model.rope import apply_rope
 
 # the prefill and cascade kernels are AVX-512 code (the other levels run gather + SDPA)
 prefill_levels = pytest.mark.isa_levels("avx512", "amx")

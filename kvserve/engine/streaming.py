@@ -10,7 +10,8 @@ import torch
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request
-from kvserve.model.llama import LlamaForCausalLM, apply_rope, rope_at, rope_inv_freq
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.rope import apply_rope, rope_at, rope_inv_freq
 
 
 class StreamingHook:

@@ -27,17 +27,9 @@ from torch import nn
 
 from kvserve.cache.kv_layer import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_latent_attention
-from kvserve.model.llama import (
-    LlamaForCausalLM,
-    RotaryTables,
-    WeightReader,
-    add_rms_norm,
-    apply_rope,
-    silu_and_mul,
-    yarn_factor,
-    yarn_mscale,
-)
+from kvserve.model.llama import LlamaForCausalLM, WeightReader, add_rms_norm, silu_and_mul
 from kvserve.model.loader import MLAConfig, ModelConfig, MoEConfig
+from kvserve.model.rope import RotaryTables, apply_rope, yarn_factor, yarn_mscale
 
 
 def deinterleave(rows: torch.Tensor, start: int, width: int, period: int) -> torch.Tensor:
