@@ -153,12 +153,13 @@ class KVCacheManager:
         record = self.requests.get(request_id)
         return record.evicted if record is not None else 0
 
-    def _take_out(self, record: RequestKV, tokens: int) -> None:
-        """``tokens`` of the request's cached tokens left its tables (eviction, compaction)."""
+    def _take_out(self, record: RequestKV, tokens: int, stored_before: int) -> None:
+        """``tokens`` of the request's cached tokens left its tables (eviction, compaction), which
+        held ``stored_before`` token slots over all groups before."""
         record.num_tokens -= tokens
         record.evicted += tokens
-        self.logical_tokens -= tokens
         self.num_evicted_tokens += tokens
+        self.logical_tokens += record.stored_tokens(self.block_size) - stored_before
 
     def compact(self, request_id: str, keep: int) -> tuple[list[int], list[int]] | None:
         """Move the request to cdiv(keep, block_size) fresh private blocks that will hold ``keep``
@@ -169,14 +170,14 @@ class KVCacheManager:
         hold only computed tokens."""
         record = self.requests[request_id]
         assert record.tables is not None and not record.window
-        table, tokens = record.tables[0], record.num_tokens
+        table, tokens, before = record.tables[0], record.num_tokens, record.stored_tokens(self.block_size)
         if not 0 < keep <= tokens or self.blocks_needed(keep) > self.pool.num_free_blocks:
             return None
         fresh = self.pool.get_new_blocks(self.blocks_needed(keep))
         old = [block.block_id for block in table]
         self.pool.free_blocks(table[::-1])
         record.tables[0] = fresh
-        self._take_out(record, tokens - keep)
+        self._take_out(record, tokens - keep, before)
         record.compacted, record.policies = True, [Compacted()]  # a selection: never publish it
         return old, [block.block_id for block in fresh]
 
@@ -205,10 +206,7 @@ class KVCacheManager:
             self.pool.free_blocks(dead[nulls:][::-1])
             if group == 0:
                 donor = dead[-1]
-        record.num_tokens -= drop * size
-        record.evicted += drop * size
-        self.num_evicted_tokens += drop * size
-        self.logical_tokens += record.stored_tokens(size) - before
+        self._take_out(record, drop * size, before)
         spare = window.spare_slots(size)
         return Eviction([block.block_id for block in record.tables[0][:sinks]], record.evicted, evicted == 0,
                         donor.block_id if spare else None, size - spare)
@@ -465,8 +463,7 @@ class KVCacheManager:
     @property
     def table_blocks_used(self) -> int:
         """Blocks held by block tables (tail runs excluded)."""
-        tail_runs = sum(len(record.tails) for record in self.requests.values())
-        return self.pool.num_used_blocks - tail_runs * self.tail_blocks
+        return self.pool.num_used_blocks - self.tails.num_held * self.tail_blocks
 
     @property
     def physical_tokens(self) -> int:

@@ -199,7 +199,7 @@ class PeakUsage:
 def usage_snapshot(kv: KVCacheManager) -> KVCacheStats:
     """The manager's figures now: the pool, its requests' records, the prefix cache, the tiers."""
     holders = kv.holders()
-    tail_runs = sum(len(record.tails) for record in holders.values())
+    tail_runs = kv.tails.num_held
     offload, peaks = kv.offload, kv.peaks
     return KVCacheStats(
         block_size=kv.block_size,

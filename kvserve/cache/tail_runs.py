@@ -17,6 +17,7 @@ class TailRuns:
         self.blocks_per_run = blocks_per_run  # 0: the format keeps no tails
         self.num_groups = num_groups
         self.new_slots: list[int] = []  # handed out since the runner last zeroed them
+        self.num_held = 0  # runs held by sequences now
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -33,6 +34,7 @@ class TailRuns:
                 self.free(runs)
                 return None
             runs.append(run)
+            self.num_held += 1
         if fresh:
             self.new_slots += [self.slot(run) for run in runs]
         return runs
@@ -40,6 +42,7 @@ class TailRuns:
     def free(self, runs: list[list[KVCacheBlock]]) -> None:
         for run in runs:
             self.pool.free_blocks(run)
+        self.num_held -= len(runs)
 
     def slot(self, run: list[KVCacheBlock]) -> int:
         """The run's index in the pool viewed as runs of blocks_per_run blocks."""

@@ -160,7 +160,7 @@ class LLMEngine:
             self.snapkv.preempted(victim)
             if self.spec is not None:
                 self.spec.proposer.free(victim.request_id)
-        self.streaming_hook.before_forward(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
+        self.streaming_hook.before_forward(chunks)
         sampled = self.runner.execute(chunks)
         self.kv_manager.record_step()  # peak figures as held during the forward pass
         self._watch_drift()

@@ -10,6 +10,7 @@ import torch
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request
+from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.rope import apply_rope, rope_at, rope_inv_freq
 
@@ -27,11 +28,11 @@ class StreamingHook:
             for request in running:
                 self.evict(request)
 
-    def before_forward(self, longest: int) -> None:
-        """A streaming sequence may outgrow the model's rotary tables (``longest``: the furthest
-        absolute position this step computes, plus one)."""
+    def before_forward(self, chunks: list[ScheduledChunk]) -> None:
+        """A streaming sequence may outgrow the model's rotary tables: extend them to the furthest
+        absolute position this step computes."""
         if self.kv.streams:
-            self.model.extend_rope(longest)
+            self.model.extend_rope(max(c.request.num_computed_tokens + c.num_tokens for c in chunks))
 
     def evict(self, request: Request) -> None:
         """Free the request's blocks between its sinks and the window of its next token, and turn
