@@ -86,7 +86,6 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.llm import LLM, chat_token_ids
 from kvserve.model.loader import ModelConfig
 from kvserve.model.rope import apply_rope, rope_at, rope_inv_freq
-from kvserve.quant.evaluate import chunk_logprobs
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, SINK_BLOCKS = 30, 3, 64, 16, 1
 
@@ -164,7 +163,7 @@ def nll_curve(engine: LLMEngine, tokens: list[int], chunk: int, bound: int | Non
     from tqdm import tqdm
 
     nll: list[float] = []
-    for start, logprobs in tqdm(chunk_logprobs(engine, tokens, chunk), total=-(-len(tokens) // chunk),
+    for start, logprobs in tqdm(engine.score(tokens, chunk), total=-(-len(tokens) // chunk),
                                 desc=engine.config.kv_eviction, unit="chunk", mininterval=10):
         if bound is not None:
             assert len(engine.kv_manager.block_tables["eval"][0]) <= bound, "the streaming request outgrew its bound"
@@ -345,7 +344,7 @@ def kvserve_press(llm: LLM, method: str, ratio: float, sample: dict[str, Any],
         engine.kv_manager.set_window("eval", engine.eviction.request_window(params, pool_blocks))
     tokens = prompt + answer[:-1]
     kept, rows = len(prompt), []
-    for start, logprobs in chunk_logprobs(engine, tokens, len(tokens), prompt_len=len(prompt)):
+    for start, logprobs in engine.score(tokens, len(tokens), prompt_len=len(prompt)):
         if start == len(prompt):
             kept = engine.kv_manager.num_tokens["eval"] - len(answer) + 1
             rows.append(logprobs)

@@ -2,7 +2,7 @@
 
     python benchmarks/kv_quant_ablation.py --out docs/results/kv_quant_ablation.json
 
-The model runs with a float32 cache; the runner's kv_observer rewrites each layer's new K and
+The model runs with a float32 cache; LLMEngine.observe_kv's observer rewrites each layer's new K and
 V in place with a quantize-dequantize round trip before they are cached (blocks = 16 tokens, the
 chunk size 512 keeps blocks aligned), so each scheme is judged alone, K or V. Perplexity on the
 first 4,096 tokens of builtin:python-reference, windows of 2,048, against no quantization.
@@ -88,19 +88,19 @@ def main() -> None:
                                     max_model_len=2048), loaded=loaded)
     rows = []
     for name, (fake_k, fake_v) in SCHEMES.items():
-        def observe(_layer: object, k: torch.Tensor, v: torch.Tensor, fk: Fake | None = fake_k,
+        def observe(_layer: int, k: torch.Tensor, v: torch.Tensor, fk: Fake | None = fake_k,
                     fv: Fake | None = fake_v) -> None:
             if fk is not None:
                 k.copy_(fk(k.float()).to(k.dtype))
             if fv is not None:
                 v.copy_(fv(v.float()).to(v.dtype))
-        engine.runner.kv_observer = observe
         nll, count = 0.0, 0
-        for start in range(0, len(tokens), 2048):
-            window = tokens[start : start + 2048]
-            logprobs = next_token_logprobs(engine, window, 512)
-            nll -= float(logprobs.gather(1, torch.tensor(window[1:])[:, None]).sum())
-            count += len(window) - 1
+        with engine.observe_kv(observe):
+            for start in range(0, len(tokens), 2048):
+                window = tokens[start : start + 2048]
+                logprobs = next_token_logprobs(engine, window, 512)
+                nll -= float(logprobs.gather(1, torch.tensor(window[1:])[:, None]).sum())
+                count += len(window) - 1
         ppl = math.exp(nll / count)
         base = rows[0]["ppl"] if rows else ppl
         rows.append({"scheme": name, "ppl": ppl, "delta_ppl_pct": 100 * (ppl / base - 1)})

@@ -85,12 +85,13 @@ def test_the_runner_reads_only_the_step_plan() -> None:
 
 
 def test_the_server_and_tools_read_the_engine_through_its_public_surface() -> None:
-    """The server, the cluster, the load tester, the planner and the tuner use LLMEngine's public
-    methods and stats, never its KV manager, scheduler, runner or storage."""
+    """The server, the cluster, the load tester, the planner, the tuner and the quantization tools
+    use LLMEngine's public methods and stats, never its KV manager, scheduler, runner, storage or
+    feature hooks."""
     import re
 
-    inner = re.compile(r"engine\.(kv_manager|scheduler|runner|kv_cache)\b")
-    wrong = [f"{path.relative_to(ROOT)}:{n}" for package in ("server", "cluster", "bench", "plan", "tune")
+    inner = re.compile(r"engine\.(kv_manager|scheduler|runner|kv_cache|streaming_hook|snapkv)\b")
+    wrong = [f"{path.relative_to(ROOT)}:{n}" for package in ("server", "cluster", "bench", "plan", "tune", "quant")
              for path in (ROOT / package).rglob("*.py")
              for n, line in enumerate(path.read_text().splitlines(), 1) if inner.search(line)]
     assert not wrong, wrong

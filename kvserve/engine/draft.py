@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -13,12 +15,16 @@ from torch import nn
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_stats import KVCacheStats
+from kvserve.config import EngineConfig, SpeculativeConfig
+from kvserve.engine.loading import DraftModel
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams, greedy_tokens
-from kvserve.engine.spec_decode import Proposal, Proposer
+from kvserve.engine.spec_decode import NgramProposer, Proposal, Proposer, SpecDecoder
 from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger("kvserve")
 
 
 def shallow_exit(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
@@ -122,3 +128,24 @@ class DraftModelProposer(Proposer):
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats()
+
+
+def spec_decoder(config: EngineConfig, draft: DraftModel | None, draft_num_blocks: int, device: torch.device,
+                 vocab_size: int, max_model_len: int,
+                 lookahead_room: Callable[[Request], int | None]) -> SpecDecoder | None:
+    """The engine's speculative decoder: ngram or a draft model's proposer (a layer-skip draft is
+    a draft model too); None without speculative_config."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    assert isinstance(spec, SpeculativeConfig)
+    proposer: Proposer
+    if draft is None:
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        proposer = DraftModelProposer(draft.model, draft_num_blocks, config.block_size, device,
+                                      config.max_num_batched_tokens, vocab_size)
+    logger.info("speculative decoding: %s, up to %d tokens per step, off above %s decoding requests",
+                spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size or "no limit of")
+    return SpecDecoder(spec, proposer, max_model_len, draft.relative_cost if draft is not None else 0.0,
+                       lookahead_room)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,20 +16,21 @@ from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_groups import layer_groups
 from kvserve.cache.kv_stats import KVCacheStats
-from kvserve.config import EngineConfig, SpeculativeConfig
-from kvserve.engine.draft import DraftModelProposer
+from kvserve.config import EngineConfig
+from kvserve.engine.draft import spec_decoder
 from kvserve.engine.loading import LoadedModel
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor, RequestOutput
-from kvserve.engine.request import InvalidRequestError, Request
+from kvserve.engine.request import InvalidRequestError, Request, check_prompt
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scoring import score_chunks
 from kvserve.engine.snapkv import SnapKVHook
-from kvserve.engine.spec_decode import NgramProposer, Proposer, SpecDecoder
 from kvserve.engine.startup import EngineStartup
 from kvserve.engine.streaming import StreamingHook
 
 logger = logging.getLogger("kvserve")
+KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer index, K, V) before the write
 CLIP_WARN_RATIO = 0.001  # drift watch: warn once when more than this share of K/V is clipped
 
 
@@ -75,24 +78,9 @@ class LLMEngine:
         self.streaming_hook = StreamingHook(self.model, self.kv_cache, self.kv_manager, self.device)
         self.snapkv = SnapKVHook(self.runner, self.kv_cache, self.kv_manager, config.kv_observation_window,
                                  config.kv_compression_per_layer, self.eviction.refusal)
-        self.spec = self._spec_decoder()
-
-    def _spec_decoder(self) -> SpecDecoder | None:
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        assert isinstance(spec, SpeculativeConfig)
-        proposer: Proposer
-        if self.draft is None:
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        else:
-            proposer = DraftModelProposer(self.draft.model, self.draft_num_blocks, self.config.block_size,
-                                          self.device, self.config.max_num_batched_tokens,
-                                          self.model_config.vocab_size)
-        logger.info("speculative decoding: %s, up to %d tokens per step, off above %s decoding requests",
-                    spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size or "no limit of")
-        return SpecDecoder(spec, proposer, self.max_model_len, self.draft.relative_cost if self.draft is not None
-                           else 0.0, lambda r: self.kv_manager.lookahead_room(r.request_id, r.num_computed_tokens))
+        self.spec = spec_decoder(config, self.draft, self.draft_num_blocks, self.device, self.model_config.vocab_size,
+                                 self.max_model_len,
+                                 lambda r: self.kv_manager.lookahead_room(r.request_id, r.num_computed_tokens))
 
     # ------------------------------------------------------------------ requests
 
@@ -106,15 +94,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        check_prompt(token_ids, self.model_config.vocab_size, self.max_model_len)
         window = self.eviction.request_window(params, self.kv_manager.pool.num_usable_blocks)
         compression = self.eviction.request_compression(params)
         if window is None and not self.kv_manager.can_ever_fit(len(token_ids)):
@@ -201,10 +181,30 @@ class LLMEngine:
         stats = self.kv_manager.stats()
         stats.num_preemptions = self.num_preemptions
         stats.kv_cache_dtype = self.kv_cache_dtype
-        stats.clip_ratio = self.kv_cache.clip_ratio()
+        stats.clip_ratio = self.kv_clip_ratio()
         stats.evicted_bytes_now = stats.evicted_tokens_now * self.kv_bytes_per_token
         stats.spec_decode = self.spec.snapshot() if self.spec is not None else None
         return stats
+
+    def score(self, tokens: list[int], chunk: int, prompt_len: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+        """Teacher-forced log-probabilities of ``tokens``, chunk by chunk (scoring.score_chunks)."""
+        return score_chunks(self, tokens, chunk, prompt_len)
+
+    @contextmanager
+    def observe_kv(self, observer: KVObserver) -> Iterator[None]:
+        """Within the block, ``observer(layer index, K, V)`` sees every layer's new K/V before it
+        is written (calibration statistics; an observer that edits them in place changes what is
+        cached)."""
+        index = {id(layer): i for i, layer in enumerate(self.kv_cache.layers)}
+        self.runner.kv_observer = lambda layer, key, value: observer(index[id(layer)], key, value)
+        try:
+            yield
+        finally:
+            self.runner.kv_observer = None
+
+    def kv_clip_ratio(self) -> float:
+        """Share of cached K/V values clipped by static (calibrated) scales so far."""
+        return self.kv_cache.clip_ratio()
 
     def take_tier_load_seconds(self) -> list[tuple[str, float]]:
         """(tier, seconds) of each block loaded back into the pool since the last call."""
@@ -218,7 +218,7 @@ class LLMEngine:
     def _watch_drift(self) -> None:
         if self._clip_warned:
             return
-        ratio = self.kv_cache.clip_ratio()
+        ratio = self.kv_clip_ratio()
         if ratio > CLIP_WARN_RATIO:
             self._clip_warned = True
             logger.warning("KV scales drift: %.3f%% of cached K/V values were clipped by the static scales "

@@ -20,6 +20,17 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """An InvalidRequestError unless the prompt has 1..max_model_len tokens, each in the vocabulary."""
+    if not token_ids:
+        raise InvalidRequestError("prompt is empty: at least one token is needed")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) > max_model_len:
+        raise InvalidRequestError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

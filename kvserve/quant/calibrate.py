@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.cache.kv_layer import LayerKV
 from kvserve.cache.kv_scales import KVScales, length_summary
 from kvserve.config import ConfigError
 from kvserve.engine.sampling import SamplingParams
@@ -24,13 +23,12 @@ KEY_CLIP_WARN = 0.001  # share of keys beyond the calibrated per-channel range
 
 
 class KVStats:
-    """Running per-layer statistics of the K/V the model caches, fed by the runner's kv_observer.
+    """Running per-layer statistics of the K/V the model caches, fed by LLMEngine.observe_kv.
     With ``reference`` (calibrated key absmax), also counts keys beyond it."""
 
-    def __init__(self, layers: list[LayerKV], kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int,
                  reference: torch.Tensor | None = None) -> None:
-        self.index = {id(layer): i for i, layer in enumerate(layers)}
-        n = len(layers)
+        n = num_layers
         self.key_absmax = torch.zeros(n, kv_heads, head_dim)
         self.value_absmax = torch.zeros(n, kv_heads)
         self.key_norm_max = torch.zeros(n)
@@ -39,8 +37,7 @@ class KVStats:
         self.keys_beyond = 0
         self.keys_seen = 0
 
-    def __call__(self, layer: LayerKV, key: torch.Tensor, value: torch.Tensor) -> None:
-        i = self.index[id(layer)]
+    def __call__(self, i: int, key: torch.Tensor, value: torch.Tensor) -> None:
         k = key.detach().float().abs()  # [T, heads, dim]
         torch.maximum(self.key_absmax[i], k.amax(dim=0).cpu(), out=self.key_absmax[i])
         self.key_norm_max[i] = max(float(self.key_norm_max[i]), float(k.norm(dim=-1).max()))
@@ -61,12 +58,9 @@ def collect(llm: LLM, token_lists: list[list[int]], reference: torch.Tensor | No
     gather the statistics of the K/V it writes."""
     engine = llm.engine
     cfg = engine.model_config
-    stats = KVStats(engine.kv_cache.layers, cfg.num_kv_heads, cfg.head_dim, reference)
-    engine.runner.kv_observer = stats
-    try:
+    stats = KVStats(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, reference)
+    with engine.observe_kv(stats):
         llm.generate(token_lists, SamplingParams(max_tokens=1, temperature=0), use_tqdm=progress)
-    finally:
-        engine.runner.kv_observer = None
     return stats
 
 

@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,9 +25,6 @@ from kvserve.cache.kv_groups import cdiv
 from kvserve.config import KV_EVICTION, KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.loading import LoadedModel, load_model
-from kvserve.engine.request import Request
-from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.llm import chat_token_ids
 from kvserve.quant.data import read_samples, token_stream
 
@@ -101,42 +97,11 @@ def eviction_variants(variant: Variant, evictions: str, windows: str, ratios: st
     return rows
 
 
-def chunk_logprobs(engine: LLMEngine, tokens: list[int], chunk: int,
-                   prompt_len: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
-    """Teacher-forced chunked prefill of ``tokens`` through the engine's paged cache, request id
-    ``eval``: for each chunk (start, log-probabilities [chunk tokens, vocab] of the token after
-    each), its blocks still held at each yield and freed at the end. A streaming engine evicts
-    before each chunk (the chunk's first query keeps the sinks and its window). The first
-    ``prompt_len`` tokens are the prompt: chunks end at its end, and an engine with
-    kv_eviction=snapkv then compresses it as it compresses a served prompt after its prefill."""
-    request = Request("eval", list(tokens), SamplingParams(max_tokens=1), -1)
-    compression = engine.eviction.request_compression(request.params)
-    kv = engine.kv_manager
-    starts = [*range(0, prompt_len, chunk), *range(prompt_len, len(tokens), chunk)]
-    try:
-        for start, end in zip(starts, [*starts[1:], len(tokens)], strict=True):
-            if engine.kv_manager.window_of(request.request_id) is not None:
-                engine.streaming_hook.evict(request)
-            if not kv.allocate_slots(request.request_id, end):
-                raise ConfigError(f"the KV budget cannot hold one window of {len(tokens)} tokens")
-            engine.model.extend_rope(end)
-            engine.kv_cache.prepare(kv.take_storage_work())
-            _, hidden = engine.runner.forward([ScheduledChunk(request, end - start, blocks=kv.blocks_of("eval"))])
-            request.num_computed_tokens = end
-            if end == prompt_len and compression is not None:
-                engine.snapkv.compress_prompt(request, compression)
-            with torch.inference_mode():  # hidden is an inference tensor (the runner's forward)
-                logprobs = torch.log_softmax(engine.model.compute_logits(hidden), dim=-1)
-            yield start, logprobs
-    finally:
-        kv.forget(request.request_id)
-
-
 def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
-    """Log-probabilities [len-1, vocab] of each next token (chunk_logprobs, concatenated); with
+    """Log-probabilities [len-1, vocab] of each next token (LLMEngine.score, concatenated); with
     kv_eviction=snapkv the first half of ``tokens`` is the prompt it compresses."""
     prompt_len = len(tokens) // 2 if engine.config.kv_eviction == "snapkv" else 0
-    return torch.cat([rows for _, rows in chunk_logprobs(engine, tokens, chunk, prompt_len)])[:-1]
+    return torch.cat([rows for _, rows in engine.score(tokens, chunk, prompt_len)])[:-1]
 
 
 class _Totals:
@@ -206,7 +171,7 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
             v.name, engine.kv_cache_dtype, mode, t.count, ppl, 100 * (ppl / ref_ppl - 1), t.kl / t.count,
             t.agree / t.count, engine.kv_bytes_per_token, engine.kv_bytes_per_token / fp16_per_token,
             budget // (held_blocks(engine, context, chunk) * engine.kv_block_bytes + engine.kv_tail_bytes),
-            engine.kv_cache.clip_ratio(), secs))
+            engine.kv_clip_ratio(), secs))
     return results
 
 
