@@ -164,7 +164,7 @@ def nll_curve(engine: LLMEngine, tokens: list[int], chunk: int, bound: int | Non
 
     nll: list[float] = []
     for start, logprobs in tqdm(engine.score(tokens, chunk), total=-(-len(tokens) // chunk),
-                                desc=engine.config.kv_eviction, unit="chunk", mininterval=10):
+                                desc=engine.config.eviction_config.kv_eviction, unit="chunk", mininterval=10):
         if bound is not None:
             assert len(engine.kv_manager.block_tables["eval"][0]) <= bound, "the streaming request outgrew its bound"
         targets = torch.tensor(tokens[start + 1 : start + 1 + len(logprobs)])
@@ -187,7 +187,7 @@ def ppl_curve(num_tokens: int, out: Path | None, chunk: int = 32, window: int = 
             (f"streaming (4 sinks + {window})", {"kv_eviction": "streaming", "kv_window": window}, num_tokens),
             (f"window {window} alone", {"kv_eviction": "streaming", "kv_window": window, "kv_sink_tokens": 0},
              num_tokens)):
-        engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_memory="2GiB",
+        engine = LLMEngine(EngineConfig.from_settings(model="smollm2-135m", dtype="float32", kv_cache_memory="2GiB",
                                         enable_prefix_caching=False, max_num_batched_tokens=chunk, **kwargs),
                            loaded=loaded)
         window = engine.eviction.default_window

@@ -1,4 +1,5 @@
-"""Why int4 is asymmetric and fp8 keys are rotated: fake-quantized K or V, one choice at a time.
+"""Why int4 is asymmetric, fp8 keys are rotated and int8 scales are not global: fake-quantized K
+or V, one choice at a time.
 
     python benchmarks/kv_quant_ablation.py --out docs/results/kv_quant_ablation.json
 
@@ -6,6 +7,10 @@ The model runs with a float32 cache; LLMEngine.observe_kv's observer rewrites ea
 V in place with a quantize-dequantize round trip before they are cached (blocks = 16 tokens, the
 chunk size 512 keeps blocks aligned), so each scheme is judged alone, K or V. Perplexity on the
 first 4,096 tokens of builtin:python-reference, windows of 2,048, against no quantization.
+
+The "global scale" rows quantize K and V of every layer with one int8 scale, the largest |K| or |V|
+the text itself produces (a first pass measures it: the best case for one scale), against int8 keys
+scaled per block and channel and values per token, as kvserve's int8 format does.
 """
 
 from __future__ import annotations
@@ -73,7 +78,28 @@ SCHEMES: dict[str, tuple[Fake | None, Fake | None]] = {
     "fp8_e4m3 K": (fp8, None),
     "fp8_e4m3 K, Hadamard-rotated": (rotated_fp8, None),
     "fp8_e4m3 V": (None, fp8),
+    "int8 K per block x channel, V per token": (per_block(lambda x, dim: symmetric(x, dim, 127)),
+                                                 lambda x: symmetric(x, -1, 127)),
 }
+
+
+def one_scale(top: float) -> Fake:
+    """int8 with one scale for every element: ``top`` maps to 127."""
+    scale = max(top, 1e-8) / 127
+    return lambda x: torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def largest_kv(engine: LLMEngine, tokens: list[int]) -> float:
+    """The largest |K| or |V| any layer caches for ``tokens`` (windows of 2,048)."""
+    top = 0.0
+
+    def observe(_layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        nonlocal top
+        top = max(top, float(k.abs().max()), float(v.abs().max()))
+    with engine.observe_kv(observe):
+        for start in range(0, len(tokens), 2048):
+            next_token_logprobs(engine, tokens[start : start + 2048], 512)
+    return top
 
 
 def main() -> None:
@@ -84,10 +110,12 @@ def main() -> None:
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
     assert loaded.tokenizer is not None
     tokens = loaded.tokenizer.encode("\n\n".join(python_reference()))[: args.num_tokens]
-    engine = LLMEngine(EngineConfig(kv_cache_memory="256MiB", enable_prefix_caching=False, max_num_seqs=1,
-                                    max_model_len=2048), loaded=loaded)
+    engine = LLMEngine(EngineConfig.from_settings(kv_cache_memory="256MiB", enable_prefix_caching=False,
+                                                  max_num_seqs=1, max_model_len=2048), loaded=loaded)
+    glob = one_scale(largest_kv(engine, tokens))
+    schemes = {**SCHEMES, "int8 K and V, one global scale": (glob, glob)}
     rows = []
-    for name, (fake_k, fake_v) in SCHEMES.items():
+    for name, (fake_k, fake_v) in schemes.items():
         def observe(_layer: int, k: torch.Tensor, v: torch.Tensor, fk: Fake | None = fake_k,
                     fv: Fake | None = fake_v) -> None:
             if fk is not None:

@@ -85,7 +85,7 @@ def start_decoding(llm: LLM, batch: int, context: int, steps: int, random_kv: bo
     prefill), so none finishes before it is measured. ``random_kv``: the prompts' K/V written
     at random instead of computed (random_kv_prefill). Returns the request ids (to abort)."""
     engine = llm.engine
-    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    prefill_steps = -(-batch * context // engine.config.scheduler_config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 8, ignore_eos=True)
     ids = [engine.add_request(prompt, params).request_id for prompt in workload(7, batch, context)]
     with random_kv_prefill(llm) if random_kv else contextlib.nullcontext():

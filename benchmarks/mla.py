@@ -72,7 +72,7 @@ def decode_steps(path: Path, absorb: bool, batch: int, context: int, steps: int)
         times.append(time.perf_counter() - start)
     return {"absorb": absorb, "batch": batch, "context": context, "steps": len(times),
             "mean_step_ms": 1000 * statistics.mean(times), "median_step_ms": 1000 * statistics.median(times),
-            "kv_block_bytes": llm.engine.kv_block_bytes, "block_size": llm.engine.config.block_size}
+            "kv_block_bytes": llm.engine.kv_block_bytes, "block_size": llm.engine.config.cache_config.block_size}
 
 
 def main() -> None:

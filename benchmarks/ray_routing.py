@@ -187,7 +187,7 @@ def main() -> None:
                                "num_prompts": args.num_prompts, "concurrency": args.concurrency,
                                "repeats": args.repeats, "runs": {}}
     for name, (cluster, kv_bytes) in setups.items():
-        engine = EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=kv_bytes)
+        engine = EngineConfig.from_settings(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=kv_bytes)
         deploy(engine, ServerConfig(model_name="smollm2-135m"), cluster, "127.0.0.1", port)
         for workload in args.workloads.split(","):
             each = []

@@ -6,12 +6,11 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvserve.cluster.config import MAX_KV_IMBALANCE, MAX_REQUEST_IMBALANCE, ROUTER_NAMES, ClusterConfig
-from kvserve.config import CONCERNS, ConfigError, EngineConfig, read_jsonl_prompts
+from kvserve.config import CONCERNS, ConfigError, EngineConfig, read_jsonl_prompts, setting_fields
 from kvserve.config_file import add_config_args, check_engine_values, effective_config, file_defaults
 from kvserve.config_reference import flag_name
 
@@ -24,9 +23,9 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, from its metadata (config.knob), grouped by concern."""
+    """One flag per engine setting, from its metadata (config.knob), grouped by concern."""
     groups = {concern: parser.add_argument_group(f"engine: {concern}") for concern in CONCERNS}
-    for setting in fields(EngineConfig):
+    for concern, setting in setting_fields():
         meta = setting.metadata
         names = [flag_name(setting.name)] + ([meta["short"]] if meta["short"] else [])
         options: dict[str, Any] = {"default": setting.default, "help": meta["help"]}
@@ -38,12 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             options["type"] = layer_list
         elif (meta["kind"] or type(setting.default)) in (int, float):
             options["type"] = meta["kind"] or type(setting.default)
-        groups[meta["concern"]].add_argument(*names, **options)
+        groups[concern].add_argument(*names, **options)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig's keyword arguments from the parsed flags (the model apart)."""
-    return {setting.name: getattr(args, setting.name) for setting in fields(EngineConfig) if setting.name != "model"}
+    """The engine settings (EngineConfig.from_settings) from the parsed flags (the model apart)."""
+    return {setting.name: getattr(args, setting.name) for _, setting in setting_fields() if setting.name != "model"}
 
 
 def read_prompts(path: Path) -> list[Any]:
@@ -101,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be positive, got {args.max_waiting}")
     _setup_logging()
-    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    config = EngineConfig.from_settings(model=args.model, **engine_kwargs(args))
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
     if args.max_streaming_tokens < 1:

@@ -9,7 +9,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ _UNITS = {
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8",)  # weights (kvserve.model.int8_linear); vLLM's --quantization
-KV_KEY_SCALES = ("auto", "static", "block", "global")
+KV_KEY_SCALES = ("auto", "static", "block")
 
 
 class ConfigError(ValueError):
@@ -170,153 +170,230 @@ def device_total_memory(device: str) -> tuple[int, str]:
     return machine_memory_bytes(), "this machine's RAM"
 
 
-# the concerns a setting belongs to: its group in --help and in the configuration reference
+# the concerns a setting belongs to: its group in --help and in the configuration reference, and
+# its part of EngineConfig (the "<concern>_config" attribute)
 CONCERNS = ("model", "cache", "scheduler", "offload", "eviction", "speculative")
 
 
-def knob(default: Any, concern: str, help: str, choices: tuple[str, ...] = (), kind: type | None = None,
+def knob(default: Any, help: str, choices: tuple[str, ...] = (), kind: type | None = None,
          short: str | None = None) -> Any:
     """A setting with what the CLI, --config files, --print-config and the reference need:
     ``help`` (%(default)s allowed), ``choices``, ``kind`` (the value's type where the default
     does not show it: int for an optional count, str for a size written "2GiB") and a ``short``
     flag."""
-    assert concern in CONCERNS, concern
-    return field(default=default, metadata={"concern": concern, "help": help, "choices": choices, "kind": kind,
-                                            "short": short})
+    return field(default=default, metadata={"help": help, "choices": choices, "kind": kind, "short": short})
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass(slots=True)
-class EngineConfig:
-    """Every setting of the engine, each with its help, choices and default in its metadata
-    (knob): the one source of the CLI flags, --config keys, --print-config and the configuration
-    reference (kvserve.config_reference). Names follow vLLM's engine arguments. Sizes may be
-    given as strings ("64MiB")."""
+class ServedModelConfig:
+    """Which model, in which dtype and weight format, on which device, and its request limits."""
 
-    model: str = knob("smollm2-135m", "model", "alias, .gguf file or HF folder (default: %(default)s)")
-    dtype: str = knob("auto", "model", "the model's dtype; auto: bfloat16 on CUDA, float32 on CPU", DTYPES)
+    model: str = knob("smollm2-135m", "alias, .gguf file or HF folder (default: %(default)s)")
+    dtype: str = knob("auto", "the model's dtype; auto: bfloat16 on CUDA, float32 on CPU", DTYPES)
     quantization: str | None = knob(
-        None, "model", "int8: linear layers in int8 (weights per output channel, activations per token at run time, "
+        None, "int8: linear layers in int8 (weights per output channel, activations per token at run time, "
         "exact int32 sums on every CPU level); default: the model dtype", QUANTIZATION_METHODS, short="-q")
-    device: str = knob("auto", "model", "auto, cpu, cuda or cuda:N")
-    max_model_len: int | None = knob(None, "model", "longest sequence (prompt + output) a request may have; "
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N")
+    max_model_len: int | None = knob(None, "longest sequence (prompt + output) a request may have; "
                                      "default: the model's context, lowered to what the KV cache holds", kind=int)
-    seed: int = knob(0, "model", "seed of sampled requests that give none")
-    block_size: int = knob(16, "cache", "tokens per KV block, a power of two 1..256 (default: %(default)s)")
-    kv_cache_memory: int | str | None = knob(None, "cache", "KV pool size, e.g. 2GiB (overrides "
+    seed: int = knob(0, "seed of sampled requests that give none")
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
+                              f"got {self.quantization!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV pool: its block size, its size, its storage format and prefix caching."""
+
+    block_size: int = knob(16, "tokens per KV block, a power of two 1..256 (default: %(default)s)")
+    kv_cache_memory: int | str | None = knob(None, "KV pool size, e.g. 2GiB (overrides "
                                              "--gpu-memory-utilization)", kind=str)
-    gpu_memory_utilization: float = knob(0.9, "cache", "fraction of device memory for weights, activations and "
+    gpu_memory_utilization: float = knob(0.9, "fraction of device memory for weights, activations and "
                                          "the KV cache (CPU: of RAM) (default: %(default)s)")
-    device_memory: int | str | None = knob(None, "cache", "device memory to plan against, e.g. 24GB (default: "
+    device_memory: int | str | None = knob(None, "device memory to plan against, e.g. 24GB (default: "
                                            "this machine's)", kind=str)
-    kv_cache_dtype: str = knob("auto", "cache", "auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, "
+    kv_cache_dtype: str = knob("auto", "auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, "
                                "int8, int4")
-    kv_scales: str | None = knob(None, "cache", "calibration file from kvserve calibrate: static key scales "
+    kv_scales: str | None = knob(None, "calibration file from kvserve calibrate: static key scales "
                                  "(int8/int4), fp8 scales", kind=str)
-    kv_key_scales: str = knob("auto", "cache", "int8/int4 key scales: static (calibrated, needs --kv-scales), per "
-                              "block, or global (one scale for all K and V, to measure the mistake); auto: static "
-                              "with --kv-scales", KV_KEY_SCALES)
-    kv_cache_dtype_skip_layers: tuple[int, ...] = knob((), "cache", "comma-separated layer indices kept in the "
+    kv_key_scales: str = knob("auto", "int8/int4 key scales: static (calibrated, needs --kv-scales) or per "
+                              "block; auto: static with --kv-scales", KV_KEY_SCALES)
+    kv_cache_dtype_skip_layers: tuple[int, ...] = knob((), "comma-separated layer indices kept in the "
                                                        "model dtype, e.g. 0,29")
-    enable_prefix_caching: bool = knob(True, "cache", "reuse cached blocks of shared prompt prefixes "
+    enable_prefix_caching: bool = knob(True, "reuse cached blocks of shared prompt prefixes "
                                        "(default: on, as in vLLM v1)")
     disable_hybrid_kv_cache_manager: bool = knob(
-        False, "cache", "one block table for every layer: sliding-window layers keep every block too (vLLM's flag; "
-        "measures what the KV cache groups save)")
-    max_num_seqs: int = knob(64, "scheduler", "most requests running at once (default: %(default)s)")
-    max_num_batched_tokens: int = knob(2048, "scheduler", "token budget of one step: decodes plus prefill chunks "
-                                       "(default: %(default)s)")
-    scheduling_policy: str = knob("fcfs", "scheduler", "admission order: arrival, or longest cached prefix first "
-                                  "(bounded wait)", SCHEDULING_POLICIES)
-    scheduler_reserve_full_isl: bool = knob(
-        True, "scheduler", "admit a request only when the KV cache holds its whole prompt besides the prompts "
-        "still prefilling; off: admit on its first chunk (more requests start, more are preempted) (default: on)")
-    preemption_mode: str = knob("recompute", "scheduler", "swap: a preempted request's blocks go to tier 1 "
-                                "(--kv-offload-memory) and come back without recompute; recompute when tier 1 is "
-                                "full (default: %(default)s)", PREEMPTION_MODES)
-    disable_cascade_attn: bool = knob(False, "scheduler", "read a prefix that every running sequence shares once "
-                                      "per sequence (default: once per decode step for all of them: cascade "
-                                      "attention)")
-    kv_offload_memory: int | str | None = knob(None, "offload", "tier 1: keep prefix blocks the pool evicts in "
-                                               "this much host memory, e.g. 8GiB", kind=str)
-    kv_offload_disk: str | None = knob(None, "offload", "tier 2: a directory for the blocks tier 1 drops, found "
-                                       "again after a restart", kind=str)
-    kv_offload_disk_size: int | str = knob("10GiB", "offload", "tier 2's capacity (default: %(default)s)")
-    kv_eviction: str = knob("none", "eviction", "streaming: keep the attention sinks and a recent window of every "
-                            "request's KV, free the rest as it grows (StreamingLLM; memory bounded whatever "
-                            "--max-tokens); snapkv: compress each prompt once after its prefill to "
-                            "--kv-compression-ratio of its tokens", KV_EVICTION)
-    kv_sink_tokens: int = knob(4, "eviction", "streaming: first tokens kept as attention sinks (whole blocks) "
-                               "(default: %(default)s)")
-    kv_window: int = knob(1024, "eviction", "streaming: most recent tokens kept (default: %(default)s)")
-    kv_compression_ratio: float = knob(0.5, "eviction", "snapkv: fraction of each prompt's tokens kept per KV "
-                                       "head (default: %(default)s)")
-    kv_observation_window: int = knob(32, "eviction", "snapkv: last prompt tokens whose attention scores the "
-                                      "rest (default: %(default)s)")
-    kv_compression_per_layer: bool = knob(False, "eviction", "snapkv: keep one set of tokens per layer (attention "
-                                          "summed over its KV heads) instead of one per KV head")
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = knob(
-        None, "speculative", 'speculative decoding, JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)', kind=str)
+        False, "one block table for every layer: sliding-window layers keep every block too (vLLM's flag; lets "
+        "layers of different groups take different KV dtypes)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256 or (
             self.block_size & (self.block_size - 1)
         ):
             raise ConfigError(f"block_size must be a power of two in 1..256, got {self.block_size!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
-                              f"got {self.quantization!r}")
         try:
             normalize_kv_dtype(self.kv_cache_dtype, "fp32")
         except ValueError as exc:
             raise ConfigError(f"kv_cache_dtype: {exc}") from None
-        if self.kv_key_scales not in KV_KEY_SCALES:
-            raise ConfigError(f"kv_key_scales must be one of {', '.join(KV_KEY_SCALES)}, got {self.kv_key_scales!r}")
-        if self.kv_key_scales in ("static", "global") and self.kv_scales is None:
+        _check_choice("kv_key_scales", self.kv_key_scales, KV_KEY_SCALES)
+        if self.kv_key_scales == "static" and self.kv_scales is None:
             raise ConfigError(f"kv_key_scales={self.kv_key_scales} needs a calibration file (kv_scales)")
         self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
         if any(not isinstance(i, int) or i < 0 for i in self.kv_cache_dtype_skip_layers):
             raise ConfigError(f"kv_cache_dtype_skip_layers must be layer indices >= 0, "
                               f"got {self.kv_cache_dtype_skip_layers!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                              f"got {self.scheduling_policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                              f"got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.kv_offload_memory is None:
-            raise ConfigError("preemption_mode=swap moves preempted requests' blocks to tier 1: give kv_offload_memory")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.device_memory is not None:
             self.device_memory = parse_size(self.device_memory, "device_memory")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """What one step may hold and run, and who is admitted or preempted first."""
+
+    max_num_seqs: int = knob(64, "most requests running at once (default: %(default)s)")
+    max_num_batched_tokens: int = knob(2048, "token budget of one step: decodes plus prefill chunks "
+                                       "(default: %(default)s)")
+    scheduling_policy: str = knob("fcfs", "admission order: arrival, or longest cached prefix first "
+                                  "(bounded wait)", SCHEDULING_POLICIES)
+    scheduler_reserve_full_isl: bool = knob(
+        True, "admit a request only when the KV cache holds its whole prompt besides the prompts "
+        "still prefilling; off: admit on its first chunk (more requests start, more are preempted) (default: on)")
+    preemption_mode: str = knob("recompute", "swap: a preempted request's blocks go to tier 1 "
+                                "(--kv-offload-memory) and come back without recompute; recompute when tier 1 is "
+                                "full (default: %(default)s)", PREEMPTION_MODES)
+    disable_cascade_attn: bool = knob(False, "read a prefix that every running sequence shares once "
+                                      "per sequence (default: once per decode step for all of them: cascade "
+                                      "attention)")
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+
+
+@dataclass(slots=True)
+class OffloadConfig:
+    """The KV tiers below the pool: host memory (tier 1) and disk (tier 2)."""
+
+    kv_offload_memory: int | str | None = knob(None, "tier 1: keep prefix blocks the pool evicts in "
+                                               "this much host memory, e.g. 8GiB", kind=str)
+    kv_offload_disk: str | None = knob(None, "tier 2: a directory for the blocks tier 1 drops, found "
+                                       "again after a restart", kind=str)
+    kv_offload_disk_size: int | str = knob("10GiB", "tier 2's capacity (default: %(default)s)")
+
+    def __post_init__(self) -> None:
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_size(self.kv_offload_memory, "kv_offload_memory")
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size, "kv_offload_disk_size")
         if self.kv_offload_disk is not None and self.kv_offload_memory is None:
             raise ConfigError("kv_offload_disk keeps the blocks tier 1 drops: give kv_offload_memory too")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.speculative_config is not None:
-            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.kv_eviction not in KV_EVICTION:
-            raise ConfigError(f"kv_eviction must be one of {', '.join(KV_EVICTION)}, got {self.kv_eviction!r}")
+
+
+@dataclass(slots=True)
+class EvictionConfig:
+    """Token eviction: StreamingLLM's sinks and window, or SnapKV's prompt compression."""
+
+    kv_eviction: str = knob("none", "streaming: keep the attention sinks and a recent window of every "
+                            "request's KV, free the rest as it grows (StreamingLLM; memory bounded whatever "
+                            "--max-tokens); snapkv: compress each prompt once after its prefill to "
+                            "--kv-compression-ratio of its tokens", KV_EVICTION)
+    kv_sink_tokens: int = knob(4, "streaming: first tokens kept as attention sinks (whole blocks) "
+                               "(default: %(default)s)")
+    kv_window: int = knob(1024, "streaming: most recent tokens kept (default: %(default)s)")
+    kv_compression_ratio: float = knob(0.5, "snapkv: fraction of each prompt's tokens kept per KV "
+                                       "head (default: %(default)s)")
+    kv_observation_window: int = knob(32, "snapkv: last prompt tokens whose attention scores the "
+                                      "rest (default: %(default)s)")
+    kv_compression_per_layer: bool = knob(False, "snapkv: keep one set of tokens per layer (attention "
+                                          "summed over its KV heads) instead of one per KV head")
+
+    def __post_init__(self) -> None:
+        _check_choice("kv_eviction", self.kv_eviction, KV_EVICTION)
         if not isinstance(self.kv_compression_ratio, (int, float)) or not 0.0 < self.kv_compression_ratio <= 1.0:
             raise ConfigError(f"kv_compression_ratio must be in (0, 1] (the fraction of prompt tokens kept), "
                               f"got {self.kv_compression_ratio!r}")
-        for name, low in (("kv_sink_tokens", 0), ("kv_window", 1), ("kv_observation_window", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        _check_int("kv_sink_tokens", self.kv_sink_tokens, 0)
+        _check_int("kv_window", self.kv_window, 1)
+        _check_int("kv_observation_window", self.kv_observation_window, 1)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every setting of the engine, nested by concern as vLLM's VllmConfig is. Each setting carries
+    its help, choices and default in its metadata (knob): the one source of the CLI flags,
+    --config keys, --print-config and the configuration reference (kvserve.config_reference).
+    Setting names follow vLLM's engine arguments and are unique across concerns, so
+    ``EngineConfig.from_settings(block_size=32, ...)`` takes them flat, as ``LLM(...)`` does.
+    Sizes may be given as strings ("64MiB")."""
+
+    model_config: ServedModelConfig = field(default_factory=ServedModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+    eviction_config: EvictionConfig = field(default_factory=EvictionConfig)
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = knob(
+        None, 'speculative decoding, JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (methods: ngram, draft_model with "model", layer_skip)', kind=str)
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.scheduler_config.preemption_mode == "swap" and self.offload_config.kv_offload_memory is None:
+            raise ConfigError("preemption_mode=swap moves preempted requests' blocks to tier 1: give kv_offload_memory")
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> EngineConfig:
+        """From flat settings (``block_size=32``); an unknown name is a ConfigError naming it."""
+        parts: dict[str, dict[str, Any]] = {concern: {} for concern in CONCERNS}
+        owner = {f.name: concern for concern, f in setting_fields()}
+        for name, value in settings.items():
+            if name not in owner:
+                raise ConfigError(f"unknown engine setting {name!r}")
+            parts[owner[name]][name] = value
+        spec = parts.pop("speculative").get("speculative_config")
+        return cls(**{f"{concern}_config": _PARTS[concern](**values) for concern, values in parts.items()},
+                   speculative_config=spec)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by its flat name (what from_settings takes back)."""
+        return {f.name: getattr(self.part(concern), f.name) for concern, f in setting_fields()}
+
+    def part(self, concern: str) -> Any:
+        """The settings object of ``concern`` (the engine config itself for speculative)."""
+        return self if concern == "speculative" else getattr(self, f"{concern}_config")
+
+
+_PARTS: dict[str, type] = {"model": ServedModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                           "offload": OffloadConfig, "eviction": EvictionConfig}
+
+
+def setting_fields() -> Iterator[tuple[str, Field[Any]]]:
+    """(concern, field) of every engine setting, in the order of --help and the reference."""
+    for concern in CONCERNS:
+        if concern == "speculative":
+            yield concern, EngineConfig.__dataclass_fields__["speculative_config"]
+        else:
+            yield from ((concern, f) for f in fields(_PARTS[concern]))

@@ -59,7 +59,7 @@ def check_engine_values(path: str, from_file: dict[str, Any], model: str, engine
     """Validate the effective engine settings (``engine``: EngineConfig's keyword arguments)
     before anything loads; a bad value the file set is reported with the file and its key."""
     try:
-        EngineConfig(model=model, **engine)
+        EngineConfig.from_settings(model=model, **engine)
     except ConfigError as exc:
         key = next((k for k in engine if str(exc).startswith(k) and k in from_file
                     and from_file[k] == engine[k]), None)

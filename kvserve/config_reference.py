@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from kvserve.config import CONCERNS, EngineConfig, SpeculativeConfig
+from kvserve.config import CONCERNS, SpeculativeConfig, setting_fields
 
 TITLES = {"model": "Model", "cache": "KV cache", "scheduler": "Scheduler", "offload": "KV tiers (offload)",
           "eviction": "KV eviction", "speculative": "Speculative decoding"}
@@ -30,14 +30,15 @@ def reference_markdown() -> str:
     lines = ["# Configuration reference", "",
              "Every engine setting, by concern. Each is a flag of `kvserve generate` and `kvserve serve`, a key of a",
              "`--config` YAML file (the flag's name without dashes, or with underscores), and an argument of",
-             "`LLM(...)` / `EngineConfig(...)` (the underscored name); `--print-config` prints the effective values",
+             "`LLM(...)` / `EngineConfig.from_settings(...)` (the underscored name; `EngineConfig` holds it in its",
+             "concern's part, e.g. `config.cache_config.block_size`); `--print-config` prints the effective values",
              "as YAML. Generated from `kvserve/config.py` by `python -m kvserve.config_reference`.", ""]
     for concern in CONCERNS:
         lines += [f"## {TITLES[concern]}", "", "| flag | `LLM` argument | default | choices | meaning |",
                   "|---|---|---|---|---|"]
-        for f in fields(EngineConfig):
+        for owner, f in setting_fields():
             meta = f.metadata
-            if meta["concern"] != concern:
+            if owner != concern:
                 continue
             flags = [flag_name(f.name)] + ([meta["short"]] if meta["short"] else [])
             if f.default is True:  # on by default: --no-... turns it off

@@ -42,7 +42,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", loaded: LoadedModel | None = None, **kwargs: Any) -> None:
         """``loaded`` (from ``kvserve.engine.engine.load_model``) reuses an already loaded model."""
         _setup_logging()
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), loaded)
+        self.engine = LLMEngine(EngineConfig.from_settings(model=model, **kwargs), loaded)
         self.tokenizer = self.engine.tokenizer
 
     @staticmethod

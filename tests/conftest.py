@@ -236,7 +236,7 @@ def server(smollm: LoadedModel) -> Iterator[dict[str, Any]]:
     from kvserve.server.app import ServerConfig
     from kvserve.server.serve import build
 
-    config = EngineConfig(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
+    config = EngineConfig.from_settings(model=MODEL, kv_cache_memory="256MiB", max_num_seqs=32)
     engine, app = build(config, ServerConfig(model_name=MODEL, api_key=KEY, max_waiting=64), loaded=smollm)
     base, stop = serve_in_thread(app)
     yield {"base": base, "engine": engine, "app": app,

@@ -51,13 +51,20 @@ def test_empty_and_too_long_prompts_rejected_engine_keeps_serving(tiny_llm: LLM)
 @pytest.mark.parametrize("block_size", [0, 3, 12, 512, -16])
 def test_block_size_must_be_power_of_two(block_size: int) -> None:
     with pytest.raises(ConfigError, match=f"block_size must be a power of two in 1..256, got {block_size}"):
-        EngineConfig(block_size=block_size)
+        EngineConfig.from_settings(block_size=block_size)
+
+
+def test_an_unknown_engine_setting_names_itself() -> None:
+    with pytest.raises(ConfigError, match="unknown engine setting 'block_sise'"):
+        EngineConfig.from_settings(block_sise=16)
+    with pytest.raises(ConfigError, match=r"preemption_mode=swap .* give kv_offload_memory"):
+        EngineConfig.from_settings(preemption_mode="swap")  # a check across two concerns
 
 
 @pytest.mark.parametrize("value", ["lots", "-5MiB", "0"])
 def test_bad_sizes(value: str) -> None:
     with pytest.raises(ConfigError, match="kv_cache_memory"):
-        EngineConfig(kv_cache_memory=value)
+        EngineConfig.from_settings(kv_cache_memory=value)
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("512MB") == 512 * 10**6
 
 

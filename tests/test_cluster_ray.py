@@ -41,7 +41,7 @@ def cluster() -> Iterator[dict[str, Any]]:
     nodes.add_node(num_cpus=1, object_store_memory=150 * 2**20)
     ray.init(address=nodes.address)
     port = free_port()
-    engine = EngineConfig(model=MODEL, dtype="bfloat16", kv_cache_memory="64MiB", max_num_seqs=8)
+    engine = EngineConfig.from_settings(model=MODEL, dtype="bfloat16", kv_cache_memory="64MiB", max_num_seqs=8)
     try:
         deploy(engine, ServerConfig(model_name=MODEL), ClusterConfig(num_replicas=2, router="kv-aware"),
                "127.0.0.1", port)

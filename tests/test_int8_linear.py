@@ -343,7 +343,7 @@ def test_the_slow_int8_fallback_is_announced(monkeypatch: pytest.MonkeyPatch, ca
 
 def test_bad_quantization_is_named() -> None:
     with pytest.raises(ConfigError, match=r"quantization must be one of int8 .* got 'fp4'"):
-        EngineConfig(quantization="fp4")
+        EngineConfig.from_settings(quantization="fp4")
 
 
 @pytest.fixture(scope="module")

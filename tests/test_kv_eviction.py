@@ -24,7 +24,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def streaming_engine(model: Path, window: int, sinks: int = 4, block_size: int = 8, **kwargs: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=block_size,
+    return LLMEngine(EngineConfig.from_settings(model=str(model), dtype="float32", block_size=block_size,
                                   kv_cache_memory=kwargs.pop("kv_cache_memory", "4MiB"), kv_eviction="streaming",
                                   kv_sink_tokens=sinks, kv_window=window, **kwargs))
 
@@ -160,10 +160,11 @@ def test_eviction_in_quantized_pools_costs_no_more_than_quantization(tiny_model_
     tokens = prompt(300, 5)
 
     def logprobs(kv_dtype: str, kv_eviction: str) -> torch.Tensor:
-        engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
-                                        kv_cache_dtype=kv_dtype, kv_eviction=kv_eviction, kv_window=48,
-                                        kv_compression_ratio=0.5, max_num_batched_tokens=12,
-                                        enable_prefix_caching=False))
+        engine = LLMEngine(EngineConfig.from_settings(
+                model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                kv_cache_dtype=kv_dtype, kv_eviction=kv_eviction, kv_window=48,
+                kv_compression_ratio=0.5, max_num_batched_tokens=12,
+                enable_prefix_caching=False))
         return next_token_logprobs(engine, tokens, 12)
 
     def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -179,11 +180,11 @@ def test_eviction_in_quantized_pools_costs_no_more_than_quantization(tiny_model_
 def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory("llama")
     with pytest.raises(ConfigError, match="kv_eviction must be one of"):
-        EngineConfig(model=str(model), kv_eviction="snapkv2")
+        EngineConfig.from_settings(model=str(model), kv_eviction="snapkv2")
     with pytest.raises(ConfigError, match="kv_compression_ratio must be in"):
-        EngineConfig(model=str(model), kv_eviction="snapkv", kv_compression_ratio=0.0)
+        EngineConfig.from_settings(model=str(model), kv_eviction="snapkv", kv_compression_ratio=0.0)
     with pytest.raises(ConfigError, match="kv_window must be an integer >= 1"):
-        EngineConfig(model=str(model), kv_eviction="streaming", kv_window=0)
+        EngineConfig.from_settings(model=str(model), kv_eviction="streaming", kv_window=0)
     with pytest.raises(ConfigError, match="fewer than the 8 one streaming request needs"):
         streaming_engine(model, window=32, max_num_batched_tokens=16, kv_cache_memory="16KiB")
     with pytest.raises(ConfigError, match="method layer_skip keeps a draft cache of the whole sequence"):
@@ -191,7 +192,8 @@ def test_streaming_refuses_what_it_cannot_do_yet(tiny_model_factory: Callable[..
     gemma, mla = tiny_model_factory("gemma3_text"), tiny_model_factory("deepseek_v2")
     for refused in (gemma, mla):  # SnapKV keeps a set per KV head: MLA's latent has none
         with pytest.raises(ConfigError, match="kv_eviction=snapkv: MLA and sliding-window models are not supported"):
-            LLMEngine(EngineConfig(model=str(refused), dtype="float32", kv_cache_memory="4MiB", kv_eviction="snapkv"))
+            LLMEngine(EngineConfig.from_settings(
+                    model=str(refused), dtype="float32", kv_cache_memory="4MiB", kv_eviction="snapkv"))
     streaming_engine(mla, window=32)  # MLA streams: its latent's rotary key is turned
     streaming_engine(gemma, window=32, max_num_batched_tokens=16)  # and sliding-window models: their full group
 
@@ -213,8 +215,9 @@ def test_eviction_composes_with_ngram_speculation(tiny_model_factory: Callable[.
                    {"kv_eviction": "snapkv", "kv_compression_ratio": 0.5, "kv_observation_window": 8}):
         runs = []
         for spec in (None, ngram):
-            engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
-                                            kv_cache_dtype=kv_dtype, speculative_config=spec, **kwargs))
+            engine = LLMEngine(EngineConfig.from_settings(
+                    model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                    kv_cache_dtype=kv_dtype, speculative_config=spec, **kwargs))
             ids = [engine.add_request(p, params).request_id for p in prompts]
             final = {}
             while engine.has_unfinished_requests():
@@ -280,7 +283,8 @@ def test_per_request_streaming_beside_full_requests(tiny_model_factory: Callable
     plain = LLM(str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB")
     expected_plain = [o.token_ids for o in plain.generate(prompts, greedy)]
     expected_stream = run_checked(streaming_engine(model, window=32), prompts[:1], 120)
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB"))
+    engine = LLMEngine(EngineConfig.from_settings(
+            model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB"))
     streaming = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, kv_eviction="streaming",
                                kv_window=32, kv_sink_tokens=4)
     ids = [engine.add_request(prompts[0], streaming).request_id] + \
@@ -318,7 +322,8 @@ def test_streaming_one_layer_equals_a_fresh_run_on_the_kept_tokens(tiny_model_fa
     sinks, window, block_size, steps = 3, 20, 4, 90
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0)
     base = dict(model=str(model), dtype="float32", block_size=block_size, kv_cache_memory="4MiB")
-    engine = LLMEngine(EngineConfig(**base, kv_eviction="streaming", kv_sink_tokens=sinks, kv_window=window))
+    engine = LLMEngine(EngineConfig.from_settings(
+            **base, kv_eviction="streaming", kv_sink_tokens=sinks, kv_window=window))
     start = prompt(12, 5)
     engine.add_request(start, params)
     final = None
@@ -361,7 +366,7 @@ def check_sinks_turned(engine: LLMEngine, firsts: list[tuple[Any, list[torch.Ten
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding, apply_rotary_pos_emb
 
     rotary = Gemma3RotaryEmbedding(AutoConfig.from_pretrained(str(model)))
-    sinks, checked = engine.config.kv_sink_tokens, len(firsts)
+    sinks, checked = engine.config.eviction_config.kv_sink_tokens, len(firsts)
     while firsts:
         eviction, written = firsts.pop()
         now = engine.kv_cache.read_blocks(eviction.sink_block_ids)
@@ -388,9 +393,10 @@ def test_streaming_on_sliding_window_groups_equals_one_table(tiny_model_factory:
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, logprobs=0)
     runs, held = [], []
     for one_table in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, kv_cache_memory="8MiB",
-                                        max_num_batched_tokens=16, kv_cache_dtype=kv_dtype, kv_eviction="streaming",
-                                        kv_sink_tokens=3, kv_window=16, disable_hybrid_kv_cache_manager=one_table))
+        engine = LLMEngine(EngineConfig.from_settings(
+                model=str(model), dtype="float32", block_size=4, kv_cache_memory="8MiB",
+                max_num_batched_tokens=16, kv_cache_dtype=kv_dtype, kv_eviction="streaming",
+                kv_sink_tokens=3, kv_window=16, disable_hybrid_kv_cache_manager=one_table))
         ids = [engine.add_request(p, params).request_id for p in (prompt(10, 1), prompt(30, 2))]
         firsts, turns = record_first_evictions(engine), 0
         final = {}
@@ -410,4 +416,5 @@ def test_streaming_on_sliding_window_groups_equals_one_table(tiny_model_factory:
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
     assert max(held) <= -(-(8 - 1 + 16 - 1) // 4) + 1  # a sliding group: its window's and a chunk's blocks
     with pytest.raises(ConfigError, match="kv_window=4 is shorter than the model's sliding window of 8"):
-        LLMEngine(EngineConfig(model=str(model), kv_cache_memory="4MiB", kv_eviction="streaming", kv_window=4))
+        LLMEngine(EngineConfig.from_settings(
+                model=str(model), kv_cache_memory="4MiB", kv_eviction="streaming", kv_window=4))

@@ -169,7 +169,7 @@ def test_blocks_are_quantized_when_full_and_tails_stay_exact(kv_dtype: str, chun
     ref_request = ref.add_request(tokens, SamplingParams(max_tokens=2))
     ref.step()
     assert ref_request.num_computed_tokens == len(tokens)
-    bs = quant.config.block_size
+    bs = quant.config.cache_config.block_size
     layer = quant.kv_cache.layers[0]
     tables = torch.tensor([quant.kv_manager.block_ids(request.request_id)])
     got = layer.gather(tables, torch.tensor([len(tokens)]),

@@ -49,7 +49,7 @@ def _pool_bytes(path: str, common: dict, tokens: int) -> int:
     """A pool that holds about ``tokens`` tokens (plus a tail run for int4)."""
     probe = LLM(path, **common, kv_cache_memory="8MiB").engine
     tail = probe.tail_blocks
-    blocks = max(2 * tail, -(-tokens // probe.config.block_size) + 1 + tail)
+    blocks = max(2 * tail, -(-tokens // probe.config.cache_config.block_size) + 1 + tail)
     return blocks * probe.kv_block_bytes
 
 
@@ -164,9 +164,9 @@ def test_swap_needs_tier_1() -> None:
     from kvserve import ConfigError, EngineConfig
 
     with pytest.raises(ConfigError, match=r"preemption_mode=swap .* kv_offload_memory"):
-        EngineConfig(preemption_mode="swap")
+        EngineConfig.from_settings(preemption_mode="swap")
     with pytest.raises(ConfigError, match="preemption_mode must be one of recompute, swap, got 'drop'"):
-        EngineConfig(preemption_mode="drop")
+        EngineConfig.from_settings(preemption_mode="drop")
 
 
 def _disk_llm(path: str, budget: int, disk: Path, **extra: object) -> LLM:

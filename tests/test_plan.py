@@ -133,7 +133,7 @@ def test_plan_agrees_with_the_engine_pool(dtype: torch.dtype, block_size: int, s
     kv_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     report = plan(spec, device_memory="1TB", kv_dtype=kv_dtype, block_size=block_size)
     assert report.kv_bytes_per_token == engine.kv_bytes_per_token
-    budget = int(engine.config.kv_cache_memory)
+    budget = int(engine.config.cache_config.kv_cache_memory)
     assert kv_blocks_for_budget(spec, kv_dtype, block_size, budget) == engine.num_blocks
     assert engine.kv_cache.nbytes == engine.num_blocks * block_size * report.kv_bytes_per_token
 
@@ -161,7 +161,7 @@ def test_plan_agrees_with_the_engine_for_every_kv_dtype(kv_dtype: str, key_scale
                   context=1000, weight_dtype="fp32")  # the engine's model dtype: the tail block's dtype
     assert report.kv_bytes_per_token == engine.kv_bytes_per_token
     assert report.kv_bytes_per_sequence == -(-1000 // block_size) * engine.kv_block_bytes + engine.kv_tail_bytes
-    memory = int(engine.config.kv_cache_memory)
+    memory = int(engine.config.cache_config.kv_cache_memory)
     # tail blocks come out of the pool on demand: the whole budget buys blocks, max_num_seqs is not capped
     assert kv_blocks_for_budget(spec, kv_dtype, block_size, memory, key_scales) == engine.num_blocks
     assert engine.kv_cache.nbytes == engine.num_blocks * engine.kv_block_bytes

@@ -38,7 +38,7 @@ def tiny_chat_model(tiny_model_factory: Callable[..., Path], smollm: LoadedModel
 
 def start_server(loaded: LoadedModel, engine_kwargs: dict[str, Any] | None = None,
                  **server: Any) -> tuple[Any, Any, str, Callable[[], None]]:
-    config = EngineConfig(**{"model": MODEL, "kv_cache_memory": "4MiB", "max_model_len": MAX_MODEL_LEN,
+    config = EngineConfig.from_settings(**{"model": MODEL, "kv_cache_memory": "4MiB", "max_model_len": MAX_MODEL_LEN,
                              "max_num_seqs": 8, **(engine_kwargs or {})})
     engine, app = build(config, ServerConfig(model_name=MODEL, **server), loaded=loaded)
     base, stop_http = serve_in_thread(app)
@@ -282,7 +282,7 @@ def test_serve_exits_non_zero_when_the_engine_fails(tiny_chat_model: LoadedModel
 
     serve_module.build = build_faulty  # type: ignore[assignment]
     try:
-        config = EngineConfig(model=MODEL, kv_cache_memory="4MiB", max_model_len=MAX_MODEL_LEN)
+        config = EngineConfig.from_settings(model=MODEL, kv_cache_memory="4MiB", max_model_len=MAX_MODEL_LEN)
         thread = threading.Thread(target=lambda: result.setdefault("code", serve_module.serve(
             config, ServerConfig(model_name=MODEL), "127.0.0.1", port, loaded=tiny_chat_model)))
         thread.start()

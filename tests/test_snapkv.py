@@ -95,7 +95,8 @@ def test_compaction_keeps_any_tokens_per_layer_and_head(tiny_model_factory: Call
     kv_heads, layers = hf.config.num_key_value_heads, hf.config.num_hidden_layers
     index = [torch.stack([torch.randperm(40, generator=gen)[:keep].sort().values for _ in range(kv_heads)])
              for _ in range(layers)]
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB"))
+    engine = LLMEngine(EngineConfig.from_settings(
+            model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB"))
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     request = engine.add_request(p, params)
     outputs = engine.step()  # the prompt's prefill and the first token
@@ -125,7 +126,7 @@ def test_compaction_that_keeps_everything_changes_nothing_in_quantized_pools(
     common: dict[str, Any] = {"model": str(model), "dtype": "float32", "block_size": 8, "kv_cache_memory": "4MiB",
                               "kv_cache_dtype": kv_dtype, "enable_prefix_caching": False}
     plain = LLM(**common).generate([p], params)[0].token_ids
-    engine = LLMEngine(EngineConfig(**common))
+    engine = LLMEngine(EngineConfig.from_settings(**common))
     request = engine.add_request(p, params)
     outputs = engine.step()
     everything = torch.arange(43).expand(engine.model_config.num_kv_heads, 43)
@@ -178,8 +179,9 @@ def test_snapkv_compresses_each_prompt_once(tiny_model_factory: Callable[..., Pa
     model = tiny_model_factory("llama")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     prompts = [prompt(40 + 10 * i, 10 + i) for i in range(3)]
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
-                                    kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=8))
+    engine = LLMEngine(EngineConfig.from_settings(
+            model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+            kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=8))
     indices: dict[str, list[torch.Tensor]] = {}
     compact = engine.snapkv.compact
 
@@ -208,9 +210,10 @@ def test_per_layer_compression_keeps_one_set_for_all_heads(tiny_model_factory: C
     prompts = [prompt(48, 30 + i) for i in range(2)]
     chosen: dict[bool, list[list[torch.Tensor]]] = {}
     for per_layer in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
-                                        kv_eviction="snapkv", kv_compression_ratio=0.5, kv_observation_window=8,
-                                        kv_compression_per_layer=per_layer))
+        engine = LLMEngine(EngineConfig.from_settings(
+                model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+                kv_eviction="snapkv", kv_compression_ratio=0.5, kv_observation_window=8,
+                kv_compression_per_layer=per_layer))
         compact, chosen[per_layer] = engine.snapkv.compact, []
 
         def recording(request: Any, index: list[torch.Tensor], compact: Any = compact,
@@ -235,8 +238,9 @@ def test_snapkv_selection_matches_hf_attention(tiny_model_factory: Callable[...,
                                                            attn_implementation="eager").eval()
     p, window, ratio = prompt(48, 5), 8, 0.5
     keep = math.ceil(len(p) * ratio)
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
-                                    kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=window))
+    engine = LLMEngine(EngineConfig.from_settings(
+            model=str(model), dtype="float32", block_size=8, kv_cache_memory="4MiB",
+            kv_eviction="snapkv", kv_compression_ratio=ratio, kv_observation_window=window))
     captured: list[list[torch.Tensor]] = []
     compact = engine.snapkv.compact
     engine.snapkv.compact = lambda request, index: captured.append(index) or compact(request, index)  # type: ignore

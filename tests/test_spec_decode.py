@@ -153,11 +153,11 @@ def test_spec_decoder_keeps_one_estimate_per_ngram_length() -> None:
 
 def test_bad_speculative_config_names_the_key() -> None:
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
-        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+        EngineConfig.from_settings(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ConfigError, match="unknown key 'n'"):
-        EngineConfig(speculative_config='{"n": 3}')
+        EngineConfig.from_settings(speculative_config='{"n": 3}')
     with pytest.raises(ConfigError, match="method"):
-        EngineConfig(speculative_config={"method": "medusa"})
+        EngineConfig.from_settings(speculative_config={"method": "medusa"})
 
 
 def test_lookahead_is_never_published_and_rollback_frees_rejected_blocks() -> None:
@@ -331,7 +331,7 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_model_factory: Ca
     holds every token, so the n-gram proposer drafts after every first token."""
     model = tiny_model_factory("llama", vocab_size=8, o_proj_scale=0.01)
     prompt = list(range(8)) * 2
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory="4MiB"))
+    engine = LLMEngine(EngineConfig.from_settings(model=str(model), dtype="float32", kv_cache_memory="4MiB"))
     second = torch.zeros(8, dtype=torch.float64)
     third = torch.zeros(8, dtype=torch.float64)
     first = _next_probs(engine, prompt)
@@ -437,7 +437,7 @@ def test_server_speculates_on_the_real_model(smollm: LoadedModel, tmp_path: Path
     messages = [{"role": "user", "content": "Repeat the following text exactly:\n\n" + COPY_TEXT}]
     plain = LLM("smollm2-135m", loaded=smollm, kv_cache_memory="64MiB")
     expected = plain.generate([plain.apply_chat_template(messages)], SamplingParams(temperature=0, max_tokens=60))
-    config = EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB",
+    config = EngineConfig.from_settings(model="smollm2-135m", kv_cache_memory="64MiB",
                           speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     engine, app = build(config, ServerConfig(model_name="smollm2-135m"), loaded=smollm)
     base, stop = serve_in_thread(app)

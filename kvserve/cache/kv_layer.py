@@ -93,7 +93,6 @@ class LayerKV:
     v_scale: float  # fp8's static value scale
     tail: torch.Tensor | None  # [slots, block_size, 2 * kv_heads, dim] in the model dtype
     clipped: torch.Tensor  # int64: elements clipped by static scales so far (added to in place)
-    value_scale_override: float | None = None  # one fixed value scale (the "global scale" mistake)
     checked: int = 0  # elements that passed through static scales
     key_rotation: torch.Tensor | None = None  # [dim, dim] orthonormal: keys stored as k @ R (q too)
 
@@ -199,11 +198,6 @@ class LayerKV:
 
     # ------------------------------------------------------------------ shared by quantized formats
 
-    def _value_scales(self, v: torch.Tensor) -> torch.Tensor:
-        if self.value_scale_override is not None:
-            return torch.full((*v.shape[:-1], 1), self.value_scale_override, device=v.device)
-        return token_scales(v, self.kind)
-
     def _quantize_kv(self, k: torch.Tensor, v: torch.Tensor, key_scales: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k, v [..., kv_heads, dim] -> codes [..., 2*kv_heads, row] and value scales [..., kv_heads, groups]."""
@@ -214,11 +208,11 @@ class LayerKV:
             self.clipped += kq.clipped + vq.clipped
             self.checked += k.numel() + v.numel()
             return torch.cat((kq.codes, vq.codes), dim=-2), None
-        vs = self._value_scales(v)
-        vq = quantize(v, vs, self.kind, count_clips=self.value_scale_override is not None)
+        vs = token_scales(v, self.kind)  # a value's own range: nothing to clip
+        vq = quantize(v, vs, self.kind)
         if static:
-            self.clipped += kq.clipped + vq.clipped
-            self.checked += k.numel() + (v.numel() if self.value_scale_override is not None else 0)
+            self.clipped += kq.clipped
+            self.checked += k.numel()
         return torch.cat((kq.codes, vq.codes), dim=-2), vs
 
     def _store_per_token(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
@@ -326,7 +320,6 @@ class KVQuantSpec(NamedTuple):
     key_scales: torch.Tensor | None = None
     fp8_scales: torch.Tensor | None = None
     skip_layers: frozenset[int] = frozenset()
-    value_scale_override: float | None = None
 
     def layer_kind(self, layer: int, model_kind: str) -> str:
         return model_kind if layer in self.skip_layers else self.kv_dtype

@@ -68,8 +68,7 @@ class Int8StaticKV(LayerKV):
                  ) -> LayerKV:
         assert quant.key_scales is not None
         key_scales = (quant.key_scales[layer] / QMAX[kind]).float().to(shape.device).contiguous()
-        return cls(kind, _pool(kind, shape), key_scales, _int8_value_scales(shape), 1.0, None, clipped,
-                   quant.value_scale_override)
+        return cls(kind, _pool(kind, shape), key_scales, _int8_value_scales(shape), 1.0, None, clipped)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, index: KVWriteIndex) -> None:
         self._store_per_token(key, value, index)
@@ -145,8 +144,7 @@ class Int8BlockKV(TailKV):
         key_scales = empty_per_block((shape.num_blocks, shape.num_kv_heads, shape.head_dim), torch.float32,
                                      shape.device)
         data = _pool(kind, shape)
-        return cls(kind, data, key_scales, _int8_value_scales(shape), 1.0, _tail(data, shape), clipped,
-                   quant.value_scale_override)
+        return cls(kind, data, key_scales, _int8_value_scales(shape), 1.0, _tail(data, shape), clipped)
 
     def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> None:
         assert self.key_scales is not None and self.value_scales is not None

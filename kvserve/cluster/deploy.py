@@ -200,7 +200,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, cluster:
         "request_routing_stats_period_s": STATS_PERIOD_S, "request_routing_stats_timeout_s": 5 * STATS_PERIOD_S}
     router = RequestRouterConfig(**router_settings)
     deployment = cast(Any, serve.deployment)  # its overloads confuse mypy with a class argument
-    gpus = cluster.gpus_per_replica or (1.0 if engine_config.device.startswith("cuda") else 0.0)
+    gpus = cluster.gpus_per_replica or (1.0 if engine_config.model_config.device.startswith("cuda") else 0.0)
     replica = deployment(ReplicaServer).options(
         num_replicas=cluster.num_replicas, max_ongoing_requests=cluster.max_ongoing_requests,
         ray_actor_options={"num_cpus": cluster.cpus_per_replica, "num_gpus": gpus},
@@ -208,8 +208,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, cluster:
     ingress = deployment(Ingress).options(
         num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     threads = max(1, int(cluster.cpus_per_replica))
-    return ingress.bind(replica.bind(engine_config, server_config, threads, board), engine_config.model,
-                        engine_config.block_size, board)
+    return ingress.bind(replica.bind(engine_config, server_config, threads, board), engine_config.model_config.model,
+                        engine_config.cache_config.block_size, board)
 
 
 def deploy(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig, host: str,

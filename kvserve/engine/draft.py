@@ -143,8 +143,8 @@ def spec_decoder(config: EngineConfig, draft: DraftModel | None, draft_num_block
     if draft is None:
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        proposer = DraftModelProposer(draft.model, draft_num_blocks, config.block_size, device,
-                                      config.max_num_batched_tokens, vocab_size)
+        proposer = DraftModelProposer(draft.model, draft_num_blocks, config.cache_config.block_size, device,
+                                      config.scheduler_config.max_num_batched_tokens, vocab_size)
     logger.info("speculative decoding: %s, up to %d tokens per step, off above %s decoding requests",
                 spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size or "no limit of")
     return SpecDecoder(spec, proposer, max_model_len, draft.relative_cost if draft is not None else 0.0,

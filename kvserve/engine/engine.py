@@ -38,6 +38,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded`` lets several engines (e.g. different block sizes) share one model."""
         self.config = config
+        cache, sched, evict = config.cache_config, config.scheduler_config, config.eviction_config
         start = EngineStartup(config, loaded)  # loads, quantizes and sizes; raises ConfigError
         self.device, self.dtype, self.model_path = start.device, start.dtype, start.loaded.path
         self.model_config, self.model, self.tokenizer = start.model_config, start.model, start.tokenizer
@@ -50,23 +51,23 @@ class LLMEngine:
         self.eviction = start.eviction
         model_config, mla = self.model_config, self.model_config.mla
         self.kv_cache = PagedKVCache(
-            model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads,
+            model_config.num_layers, self.num_blocks, cache.block_size, model_config.num_kv_heads,
             model_config.head_dim, self.dtype, self.device, self.kv_quant, start.slots,
             mla.latent_dim if mla is not None else 0)
         self._clip_warned = False
         host_tier, disk_tier = start.host_tier, start.disk_tier
         if host_tier is not None:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+        self.kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                          self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
-                                         [group.spec for group in self.kv_groups], config.max_num_batched_tokens,
+                                         [group.spec for group in self.kv_groups], sched.max_num_batched_tokens,
                                          self.eviction.default_window)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, preemption_mode=config.preemption_mode,
-                                   reserve_full_prompt=config.scheduler_reserve_full_isl)
+        self.scheduler = Scheduler(self.kv_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.scheduling_policy, preemption_mode=sched.preemption_mode,
+                                   reserve_full_prompt=sched.scheduler_reserve_full_isl)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device,
                                   layer_groups(self.kv_groups, model_config.num_layers), model_config.layer_windows,
-                                  cascade=not config.disable_cascade_attn)
+                                  cascade=not sched.disable_cascade_attn)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # requests preempted (recomputed or swapped out) since start-up
         self._arrivals = itertools.count()
@@ -76,8 +77,8 @@ class LLMEngine:
                                        lambda request_id: self.kv_manager.window_of(request_id) is not None)
         # the features that act at named points of the step, each owning its per-request state
         self.streaming_hook = StreamingHook(self.model, self.kv_cache, self.kv_manager, self.device)
-        self.snapkv = SnapKVHook(self.runner, self.kv_cache, self.kv_manager, config.kv_observation_window,
-                                 config.kv_compression_per_layer, self.eviction.refusal)
+        self.snapkv = SnapKVHook(self.runner, self.kv_cache, self.kv_manager, evict.kv_observation_window,
+                                 evict.kv_compression_per_layer, self.eviction.refusal)
         self.spec = spec_decoder(config, self.draft, self.draft_num_blocks, self.device, self.model_config.vocab_size,
                                  self.max_model_len,
                                  lambda r: self.kv_manager.lookahead_room(r.request_id, r.num_computed_tokens))
@@ -238,5 +239,5 @@ class LLMEngine:
         return {
             "model": str(self.model_path), "device": str(self.device), "dtype": str(self.dtype),
             "max_model_len": self.max_model_len, "num_blocks": self.num_blocks - 1,
-            "block_size": self.config.block_size, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_size": self.config.cache_config.block_size, "kv_bytes_per_token": self.kv_bytes_per_token,
         }

@@ -22,18 +22,19 @@ class KVEviction:
 
     def __init__(self, config: EngineConfig, refusal: str | None, streaming_refusal: str | None,
                  tail_blocks: int, groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,)) -> None:
+        evict = config.eviction_config
         self.config, self.refusal, self.tail_blocks = config, refusal, tail_blocks
         self.streaming_refusal, self.groups = streaming_refusal, list(groups)
         self.narrowest_window = max((spec.sliding_window for spec in self.groups), default=0)
-        if config.kv_eviction == "streaming" and config.kv_window < self.narrowest_window:
-            raise ConfigError(f"kv_window={config.kv_window} is shorter than the model's sliding window of "
+        if evict.kv_eviction == "streaming" and evict.kv_window < self.narrowest_window:
+            raise ConfigError(f"kv_window={evict.kv_window} is shorter than the model's sliding window of "
                               f"{self.narrowest_window} tokens: a stream keeps at least what its sliding layers read")
-        why = self.streaming_refusal if config.kv_eviction == "streaming" else refusal
-        if config.kv_eviction != "none" and why is not None:
-            raise ConfigError(f"kv_eviction={config.kv_eviction}: {why}")
+        why = self.streaming_refusal if evict.kv_eviction == "streaming" else refusal
+        if evict.kv_eviction != "none" and why is not None:
+            raise ConfigError(f"kv_eviction={evict.kv_eviction}: {why}")
         # the default window of every request (kv_eviction=streaming)
-        self.default_window = (StreamingWindow(config.kv_sink_tokens, config.kv_window)
-                               if config.kv_eviction == "streaming" else None)
+        self.default_window = (StreamingWindow(evict.kv_sink_tokens, evict.kv_window)
+                               if evict.kv_eviction == "streaming" else None)
 
     def streams(self, kv_eviction: str | None) -> bool:
         """A request asking for ``kv_eviction`` (None: the engine's default) streams."""
@@ -43,7 +44,7 @@ class KVEviction:
         """Pool blocks one request streaming with ``window`` holds at most (with a prefill chunk
         of max_num_batched_tokens in flight): its sinks and window in the full-attention group,
         each sliding group's window, a tail run per group."""
-        size, chunk = self.config.block_size, self.config.max_num_batched_tokens
+        size, chunk = self.config.cache_config.block_size, self.config.scheduler_config.max_num_batched_tokens
         sliding = sum(spec.blocks_held(1 << 30, size, chunk) for spec in self.groups if spec.sliding_window)
         return window.blocks_held(size, chunk) + sliding + self.tail_blocks * len(self.groups)
 
@@ -55,7 +56,7 @@ class KVEviction:
     def request_window(self, params: SamplingParams, pool_blocks: int) -> StreamingWindow | None:
         """The request's streaming window: its own kv_eviction settings within the engine's (a
         window at most kv_window), else the engine's default."""
-        cfg = self.config
+        evict = self.config.eviction_config
         if params.kv_eviction is None and params.kv_window is None and params.kv_sink_tokens is None:
             return self.default_window
         if not self.streams(params.kv_eviction):
@@ -64,11 +65,11 @@ class KVEviction:
             raise InvalidRequestError("kv_window and kv_sink_tokens need kv_eviction=streaming (this server "
                                       "does not stream by default)", param="kv_eviction")
         self._refuse("streaming")
-        window = StreamingWindow(cfg.kv_sink_tokens if params.kv_sink_tokens is None else params.kv_sink_tokens,
-                                 cfg.kv_window if params.kv_window is None else params.kv_window)
+        window = StreamingWindow(evict.kv_sink_tokens if params.kv_sink_tokens is None else params.kv_sink_tokens,
+                                 evict.kv_window if params.kv_window is None else params.kv_window)
         for name, value in (("kv_window", window.window), ("kv_sink_tokens", window.sink_tokens)):
-            if value > cfg.kv_window:
-                raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={cfg.kv_window}",
+            if value > evict.kv_window:
+                raise InvalidRequestError(f"{name}={value} is more than this server's kv_window={evict.kv_window}",
                                           param=name)
         if window.window < self.narrowest_window:
             raise InvalidRequestError(f"kv_window={window.window} is shorter than the model's sliding window of "
@@ -83,19 +84,19 @@ class KVEviction:
         """The fraction of the request's prompt SnapKV keeps after its prefill (None: it keeps
         all): its own kv_compression_ratio, at least the engine's (the most it lets a request
         drop), else the engine's when kv_eviction=snapkv."""
-        cfg = self.config
+        evict = self.config.eviction_config
         if params.kv_eviction is None and params.kv_compression_ratio is None:
-            return cfg.kv_compression_ratio if cfg.kv_eviction == "snapkv" else None
-        wanted = params.kv_eviction or cfg.kv_eviction
+            return evict.kv_compression_ratio if evict.kv_eviction == "snapkv" else None
+        wanted = params.kv_eviction or evict.kv_eviction
         if wanted != "snapkv":
             if params.kv_compression_ratio is None:
                 return None
             raise InvalidRequestError(f"kv_compression_ratio needs kv_eviction=snapkv (this request's is "
                                       f"{wanted})", param="kv_compression_ratio")
         self._refuse("snapkv")
-        ratio = cfg.kv_compression_ratio if params.kv_compression_ratio is None else params.kv_compression_ratio
-        if ratio < cfg.kv_compression_ratio:
+        ratio = evict.kv_compression_ratio if params.kv_compression_ratio is None else params.kv_compression_ratio
+        if ratio < evict.kv_compression_ratio:
             raise InvalidRequestError(f"kv_compression_ratio={ratio} keeps less of the prompt than this server's "
-                                      f"kv_compression_ratio={cfg.kv_compression_ratio} allows",
+                                      f"kv_compression_ratio={evict.kv_compression_ratio} allows",
                                       param="kv_compression_ratio")
         return ratio

@@ -17,7 +17,7 @@ from kvserve.cache.kv_disk import DiskTier, namespace
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes, normalize_kv_dtype, num_blocks_for_budget, tail_blocks
 from kvserve.cache.kv_groups import capacity_tokens, layer_slots
 from kvserve.cache.kv_layer import KVQuantSpec
-from kvserve.cache.kv_quant import FP8_TYPES, QMAX, float_kind
+from kvserve.cache.kv_quant import FP8_TYPES, float_kind
 from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_scales import KVScales
 from kvserve.cache.kv_tiers import TierIndex
@@ -45,18 +45,19 @@ class EngineStartup:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded`` lets several engines (e.g. different block sizes) share one model."""
         self.config = config
+        cache, served = config.cache_config, config.model_config
         self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+            ("cuda" if torch.cuda.is_available() else "cpu") if served.device == "auto" else served.device
         )
-        dtype_name = config.dtype if config.dtype != "auto" else (
+        dtype_name = served.dtype if served.dtype != "auto" else (
             "bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
         if loaded is not None:
             self.dtype, self.device = loaded.model.norm.dtype, loaded.model.norm.device
-        loaded = loaded or load_model(config.model, self.device, self.dtype, config.quantization)
+        loaded = loaded or load_model(served.model, self.device, self.dtype, served.quantization)
         warn_if_matmuls_emulated(self.device, self.dtype)
-        if loaded.quantization != config.quantization:
-            raise ConfigError(f"quantization={config.quantization!r}, but the model given was loaded with "
+        if loaded.quantization != served.quantization:
+            raise ConfigError(f"quantization={served.quantization!r}, but the model given was loaded with "
                               f"quantization={loaded.quantization!r}")
         self.loaded = loaded
         self.model_config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
@@ -72,12 +73,12 @@ class EngineStartup:
                   else KVLayout.standard(model_config.num_kv_heads, model_config.head_dim))
         model_kind = float_kind(self.dtype)
         key_scales = self.kv_quant.key_scale_mode
-        self.kv_groups = kv_cache_groups(model_config, config.disable_hybrid_kv_cache_manager)
+        self.kv_groups = kv_cache_groups(model_config, cache.disable_hybrid_kv_cache_manager)
         self.slots = layer_slots(self.kv_groups, model_config.num_layers)  # each layer's storage slot in a block
         kinds = self._slot_kinds(self.slots, model_kind)
-        self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, config.block_size, key_scales) for kind in kinds)
+        self.kv_block_bytes = sum(kv_block_bytes(layout, 1, kind, cache.block_size, key_scales) for kind in kinds)
         # a token in every group: each pool block holds one group's layers
-        self.kv_bytes_per_token = self.kv_block_bytes * len(self.kv_groups) // config.block_size
+        self.kv_bytes_per_token = self.kv_block_bytes * len(self.kv_groups) // cache.block_size
         # formats that keep a full-precision tail block per running sequence take it from the pool:
         # an aligned run of tail_blocks blocks (the planner counts the same, kv_sequence_extra_bytes)
         self.tail_blocks = tail_blocks(self.kv_cache_dtype, model_kind, key_scales)
@@ -85,7 +86,7 @@ class EngineStartup:
         self.draft = self._draft_model()
         self.eviction = KVEviction(config, self._compaction_refusal(), self._streaming_refusal(), self.tail_blocks,
                                    [group.spec for group in self.kv_groups])
-        if self.eviction.default_window is not None and config.enable_prefix_caching:
+        if self.eviction.default_window is not None and cache.enable_prefix_caching:
             logger.info("kv_eviction=streaming: streaming requests neither share nor reuse cached prefix blocks "
                         "(their sink blocks are turned in place)")
         self.draft_num_blocks = 0  # set by _size_pool when a draft model keeps its own KV pool
@@ -100,6 +101,7 @@ class EngineStartup:
 
     def _draft_model(self) -> DraftModel | None:
         """The model that drafts (speculative_config method draft_model or layer_skip)."""
+        served = self.config.model_config
         spec = self.config.speculative_config
         if not isinstance(spec, SpeculativeConfig) or spec.method == "ngram":
             return None
@@ -114,7 +116,7 @@ class EngineStartup:
                                   f"model's {target.num_layers} layers")
             return DraftModel(shallow_exit(self.model, layers), 0, layers / target.num_layers)
         assert spec.model is not None
-        loaded = load_model(spec.model, self.device, self.dtype, self.config.quantization)
+        loaded = load_model(spec.model, self.device, self.dtype, served.quantization)
         draft_config = loaded.config
         if draft_config.mla is not None:
             raise ConfigError(f"speculative_config: draft model {spec.model} uses MLA; pick one with K/V heads")
@@ -125,7 +127,7 @@ class EngineStartup:
         if self.tokenizer is not None and loaded.tokenizer is not None and \
                 loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(f"speculative_config: draft model {spec.model} has another tokenizer than "
-                              f"{self.config.model}; a draft model must share the target's vocabulary")
+                              f"{served.model}; a draft model must share the target's vocabulary")
         return DraftModel(loaded.model, loaded.weight_bytes, loaded.weight_bytes / self.weight_bytes)
 
     def _sliding(self) -> bool:
@@ -151,11 +153,12 @@ class EngineStartup:
         return None
 
     def _max_model_len(self) -> int:
+        served = self.config.model_config
         limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+        if served.max_model_len is not None and served.max_model_len > limit:
             raise ConfigError(
-                f"max_model_len={self.config.max_model_len} exceeds the model's context length {limit}")
-        return self.config.max_model_len or limit
+                f"max_model_len={served.max_model_len} exceeds the model's context length {limit}")
+        return served.max_model_len or limit
 
     def _slot_kinds(self, slots: list[int], model_kind: str) -> list[str]:
         """The KV format of each storage slot; the layers sharing a slot (kv_groups) need one."""
@@ -170,52 +173,49 @@ class EngineStartup:
 
     def _kv_quant_spec(self) -> KVQuantSpec:
         """The KV format from kv_cache_dtype, kv_scales and kv_cache_dtype_skip_layers."""
+        cache = self.config.cache_config
         cfg, mcfg = self.config, self.model_config
-        kv_dtype = normalize_kv_dtype(cfg.kv_cache_dtype, float_kind(self.dtype))
-        bad = [i for i in cfg.kv_cache_dtype_skip_layers if i >= mcfg.num_layers]
+        kv_dtype = normalize_kv_dtype(cache.kv_cache_dtype, float_kind(self.dtype))
+        bad = [i for i in cache.kv_cache_dtype_skip_layers if i >= mcfg.num_layers]
         if bad:
             raise ConfigError(f"kv_cache_dtype_skip_layers: layer {bad[0]} does not exist "
                               f"(the model has {mcfg.num_layers} layers)")
         scales = None
-        if cfg.kv_scales is not None:
-            scales = KVScales.load(cfg.kv_scales)
-            scales.check_model(cfg.model, self.fingerprint, (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim))
-        mode = cfg.kv_key_scales if cfg.kv_key_scales != "auto" else "static" if scales is not None else "block"
+        if cache.kv_scales is not None:
+            scales = KVScales.load(cache.kv_scales)
+            scales.check_model(cfg.model_config.model, self.fingerprint,
+                               (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim))
+        mode = cache.kv_key_scales if cache.kv_key_scales != "auto" else "static" if scales is not None else "block"
         if mcfg.mla is not None and kv_dtype not in ("fp32", "fp16", "bf16"):
-            raise ConfigError(f"kv_cache_dtype={cfg.kv_cache_dtype}: MLA's latent KV cache is kept in a float dtype "
+            raise ConfigError(f"kv_cache_dtype={cache.kv_cache_dtype}: MLA's latent KV cache is kept in a float dtype "
                               f"(fp32, fp16, bf16); quantized latents are not supported yet")
-        if kv_dtype == "int4" and cfg.kv_key_scales in ("static", "global"):
-            raise ConfigError(f"kv_key_scales={cfg.kv_key_scales} does not apply to int4: its key ranges are "
+        if kv_dtype == "int4" and cache.kv_key_scales == "static":
+            raise ConfigError(f"kv_key_scales={cache.kv_key_scales} does not apply to int4: its key ranges are "
                               f"always computed per block")
-        key_scales = fp8_scales = override = None
-        if scales is not None and mode == "global":  # one scale for every K and V element
-            top = float(max(scales.key_absmax.max(), scales.value_absmax.max()))
-            key_scales = torch.full_like(scales.key_absmax, top)
-            if kv_dtype in QMAX:
-                override = top / QMAX[kv_dtype]
-                fp8_scales = torch.full((mcfg.num_layers, 2), override)
-        elif scales is not None:
+        key_scales = fp8_scales = None
+        if scales is not None:
             key_scales = scales.key_absmax if mode == "static" else None
             fp8_scales = scales.fp8_scales(kv_dtype) if kv_dtype in FP8_TYPES else None
         return KVQuantSpec(kv_dtype, key_scales=key_scales if kv_dtype == "int8" else None,
                            fp8_scales=fp8_scales if kv_dtype in FP8_TYPES else None,
-                           skip_layers=frozenset(cfg.kv_cache_dtype_skip_layers), value_scale_override=override)
+                           skip_layers=frozenset(cache.kv_cache_dtype_skip_layers))
 
     def _size_pool(self) -> int:
         cfg = self.config
+        cache, sched, evict, served = cfg.cache_config, cfg.scheduler_config, cfg.eviction_config, cfg.model_config
         block_bytes = self.kv_block_bytes
-        if cfg.kv_cache_memory is not None:
-            budget = int(cfg.kv_cache_memory)
+        if cache.kv_cache_memory is not None:
+            budget = int(cache.kv_cache_memory)
             source = f"kv_cache_memory={format_bytes(budget)}"
         else:
-            if cfg.device_memory is not None:
-                total = int(cfg.device_memory)
+            if cache.device_memory is not None:
+                total = int(cache.device_memory)
             else:
                 total = device_total_memory(str(self.device))[0]
             activations = self._activation_peak()
             weights = self.weight_bytes + (self.draft.weight_bytes if self.draft is not None else 0)
-            budget = int(total * cfg.gpu_memory_utilization) - weights - activations
-            source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {format_bytes(total)} "
+            budget = int(total * cache.gpu_memory_utilization) - weights - activations
+            source = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of {format_bytes(total)} "
                       f"- weights {format_bytes(weights)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
@@ -226,30 +226,30 @@ class EngineStartup:
         needed = (len(self.kv_groups) + 1) * self.tail_blocks or 2
         if num_blocks < needed:
             raise ConfigError(
-                f"{source} is smaller than one KV block of {cfg.block_size} tokens "
+                f"{source} is smaller than one KV block of {cache.block_size} tokens "
                 f"({format_bytes(needed * block_bytes)} needed with the reserved null block"
                 f"{' and a full-precision tail block' if self.tail_blocks else ''})")
-        capacity = capacity_tokens([g.spec for g in self.kv_groups], num_blocks - 1, cfg.block_size,
-                                   cfg.max_num_batched_tokens, self.tail_blocks)
-        if cfg.kv_eviction == "streaming":  # a request holds its sinks and window, however long it grows
-            held = self.eviction.streaming_blocks(StreamingWindow(cfg.kv_sink_tokens, cfg.kv_window))
+        capacity = capacity_tokens([g.spec for g in self.kv_groups], num_blocks - 1, cache.block_size,
+                                   sched.max_num_batched_tokens, self.tail_blocks)
+        if evict.kv_eviction == "streaming":  # a request holds its sinks and window, however long it grows
+            held = self.eviction.streaming_blocks(StreamingWindow(evict.kv_sink_tokens, evict.kv_window))
             if held > num_blocks - 1:
                 raise ConfigError(f"{source} holds {num_blocks - 1} blocks, fewer than the {held} one streaming "
-                                  f"request needs (kv_window={cfg.kv_window} plus a chunk of "
-                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens})")
+                                  f"request needs (kv_window={evict.kv_window} plus a chunk of "
+                                  f"max_num_batched_tokens={sched.max_num_batched_tokens})")
             capacity = max(capacity, self.max_model_len)
         if capacity < self.max_model_len:
-            if cfg.max_model_len is not None:
+            if served.max_model_len is not None:
                 raise ConfigError(
                     f"{source} holds {capacity} tokens, fewer than one sequence of max_model_len="
-                    f"{cfg.max_model_len} needs ({format_bytes(self.max_model_len * self.kv_bytes_per_token)})")
+                    f"{served.max_model_len} needs ({format_bytes(self.max_model_len * self.kv_bytes_per_token)})")
             logger.warning("max_model_len lowered from %d to %d tokens to fit the KV cache",
                            self.max_model_len, capacity)
             self.max_model_len = capacity
         logger.info(
             "KV cache: %d blocks x %d tokens = %d token slots, %s (%s, %d B/token, from %s); "
             "maximum concurrency for %d tokens per request: %.2fx",
-            num_blocks - 1, cfg.block_size, capacity, format_bytes(num_blocks * block_bytes),
+            num_blocks - 1, cache.block_size, capacity, format_bytes(num_blocks * block_bytes),
             self.kv_cache_dtype, self.kv_bytes_per_token, source, self.max_model_len,
             capacity / self.max_model_len)
         if self.tail_blocks:
@@ -264,59 +264,61 @@ class EngineStartup:
     def _draft_pool(self, budget: int) -> int:
         """Size the draft model's own KV pool from the KV budget, so that it holds as many tokens
         as the target's; returns the bytes it takes."""
+        cache = self.config.cache_config
         assert self.draft is not None
         config = self.draft.model.config
         block_bytes = kv_block_bytes(KVLayout.standard(config.num_kv_heads, config.head_dim), config.num_layers,
-                                     float_kind(self.dtype), self.config.block_size)
-        per_token = block_bytes / self.config.block_size
+                                     float_kind(self.dtype), cache.block_size)
+        per_token = block_bytes / cache.block_size
         share = int(budget * per_token / (per_token + self.kv_bytes_per_token))
         self.draft_num_blocks = num_blocks_for_budget(share, block_bytes)
         if self.draft_num_blocks < 2:
             raise ConfigError(f"the KV budget {format_bytes(budget)} leaves the draft model less than one block")
         logger.info("draft model KV cache: %d blocks x %d tokens, %s of the KV budget (%d B/token)",
-                    self.draft_num_blocks - 1, self.config.block_size,
+                    self.draft_num_blocks - 1, cache.block_size,
                     format_bytes(self.draft_num_blocks * block_bytes), int(per_token))
         return self.draft_num_blocks * block_bytes
 
     def _host_tier(self) -> TierIndex | None:
         """Tier 1 in host memory (--kv-offload-memory), sized in whole pool blocks."""
-        cfg = self.config
-        if cfg.kv_offload_memory is None:
+        offload = self.config.offload_config
+        if offload.kv_offload_memory is None:
             return None
-        capacity = int(cfg.kv_offload_memory) // self.kv_block_bytes
+        capacity = int(offload.kv_offload_memory) // self.kv_block_bytes
         if capacity < 1:
-            raise ConfigError(f"kv_offload_memory={format_bytes(int(cfg.kv_offload_memory))} is smaller than one "
+            raise ConfigError(f"kv_offload_memory={format_bytes(int(offload.kv_offload_memory))} is smaller than one "
                               f"KV block ({format_bytes(self.kv_block_bytes)})")
-        logger.info("KV tier 1 (host memory): %d blocks = %d tokens, %s", capacity, capacity * self.config.block_size,
-                    format_bytes(capacity * self.kv_block_bytes))
+        logger.info("KV tier 1 (host memory): %d blocks = %d tokens, %s", capacity,
+                    capacity * self.config.cache_config.block_size, format_bytes(capacity * self.kv_block_bytes))
         return TierIndex("cpu", capacity, self.kv_block_bytes)
 
     def _disk_tier(self) -> DiskTier | None:
         """Tier 2 on disk (--kv-offload-disk), under a namespace of everything that decides what a
         block's bytes mean, so a directory shared with another model or format is never misread."""
-        cfg = self.config
-        if cfg.kv_offload_disk is None:
+        cache, offload = self.config.cache_config, self.config.offload_config
+        if offload.kv_offload_disk is None:
             return None
-        scales_hash = hashlib.sha256(Path(cfg.kv_scales).read_bytes()).hexdigest() if cfg.kv_scales else None
+        scales_hash = hashlib.sha256(Path(cache.kv_scales).read_bytes()).hexdigest() if cache.kv_scales else None
         quant = self.kv_quant
         space = namespace(self.fingerprint, str(self.dtype), quant.kv_dtype, quant.key_scale_mode,
-                          sorted(quant.skip_layers), quant.value_scale_override, cfg.block_size, scales_hash)
-        disk = DiskTier(cfg.kv_offload_disk, int(cfg.kv_offload_disk_size), space, self.kv_block_bytes)
+                          sorted(quant.skip_layers), cache.block_size, scales_hash)
+        disk = DiskTier(offload.kv_offload_disk, int(offload.kv_offload_disk_size), space, self.kv_block_bytes)
         logger.info("KV tier 2 (disk): %s, %d blocks = %d tokens, %s", disk.dir, disk.capacity_blocks,
-                    disk.capacity_blocks * cfg.block_size, format_bytes(int(cfg.kv_offload_disk_size)))
+                    disk.capacity_blocks * cache.block_size, format_bytes(int(offload.kv_offload_disk_size)))
         return disk
 
     def _activation_peak(self) -> int:
+        sched = self.config.scheduler_config
         cfg, mcfg = self.config, self.model_config
-        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        tokens = min(sched.max_num_batched_tokens, self.max_model_len)
         if self.device.type != "cuda":
             elem = torch.empty((), dtype=self.dtype).element_size()
             return estimate_activation_bytes(
                 hidden_size=mcfg.hidden_size, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                 head_dim=mcfg.head_dim, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
-                num_tokens=tokens, max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, elem_bytes=elem)
+                num_tokens=tokens, max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, elem_bytes=elem)
         # Profile one max-size prefill against a throwaway pool sized for it.
-        bs = cfg.block_size
+        bs = cfg.cache_config.block_size
         blocks = -(-tokens // bs) + 1
         blocks += 2 * self.tail_blocks  # room for an aligned tail run
         scratch = PagedKVCache(mcfg.num_layers, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device,

@@ -109,7 +109,7 @@ def _quantize_rows(layer: TailKV, src: torch.Tensor, rows: torch.Tensor, block_i
     at ``rows[i * block_size : (i + 1) * block_size]``): int4, and int8 with per-block key scales,
     in one C++ op (bit for bit the torch path, whose ~30 small ops per layer took ~10% of an int4
     decode step at 32 x 2,048), else (or where the op declines) in torch."""
-    if isinstance(layer, Int4KV | Int8BlockKV) and layer.value_scale_override is None:
+    if isinstance(layer, Int4KV | Int8BlockKV):
         assert layer.key_scales is not None and layer.value_scales is not None
         if _write_op("quantize_blocks", src, rows, block_ids, KIND_CODES[layer.kind], layer.data, layer.key_scales,
                      layer.value_scales):
@@ -155,7 +155,7 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
             layer.write_rows(new.view(num_tokens, rows_per_token, -1), plan, lambda stage, block_ids: _quantize_rows(
                 layer, stage, torch.arange(stage.shape[0], device=stage.device), block_ids))
         return True
-    if not isinstance(layer, Int8StaticKV) or layer.value_scale_override is not None:
+    if not isinstance(layer, Int8StaticKV):
         return False
     assert layer.key_scales is not None and layer.value_scales is not None
     _write_op("rope_and_write_kv_int8", qkv, cos, signed_sin, layer.data, meta.slot_mapping, num_heads,

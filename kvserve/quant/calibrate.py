@@ -87,7 +87,7 @@ def scales_from_tokens(llm: LLM, token_lists: list[list[int]], source: str, prog
     stats = collect(llm, token_lists, progress=progress)
     engine = llm.engine
     return KVScales(
-        model_name=engine.config.model, fingerprint=engine.fingerprint, key_absmax=stats.key_absmax,
+        model_name=engine.config.model_config.model, fingerprint=engine.fingerprint, key_absmax=stats.key_absmax,
         value_absmax=stats.value_absmax, key_norm_max=stats.key_norm_max.tolist(),
         value_token_absmax_p50=stats.value_percentiles(0.5),
         value_token_absmax_p99=stats.value_percentiles(0.99), num_samples=len(token_lists),

@@ -1,6 +1,6 @@
 """``kvserve eval``: what each KV format costs in quality and buys in memory, on held-out text.
 
-For every variant (a KV dtype, optionally ``:static``, ``:block`` or ``:global`` key scales) the
+For every variant (a KV dtype, optionally ``:static`` or ``:block`` key scales) the
 held-out tokens are run through the engine in windows of ``--context`` tokens, chunked prefill
 of ``--chunk`` tokens at a time, so every chunk attends to the earlier ones through the
 quantized paged cache (and to itself: K/V are read back from the cache). Per variant:
@@ -30,9 +30,9 @@ from kvserve.quant.data import read_samples, token_stream
 
 
 class Variant(NamedTuple):
-    name: str  # as given: "int8", "int4:block", "int8:global"; "auto streaming 256", "auto snapkv 0.5"
+    name: str  # as given: "int8", "int4:block", "int8:static"; "auto streaming 256", "auto snapkv 0.5"
     kv_dtype: str
-    key_scales: str  # auto, static, block, global
+    key_scales: str  # auto, static, block
     kv_eviction: str = "none"
     kv_window: int = 0  # streaming's window
     kv_compression_ratio: float = 1.0  # snapkv: the fraction of each prompt kept
@@ -100,7 +100,7 @@ def eviction_variants(variant: Variant, evictions: str, windows: str, ratios: st
 def next_token_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
     """Log-probabilities [len-1, vocab] of each next token (LLMEngine.score, concatenated); with
     kv_eviction=snapkv the first half of ``tokens`` is the prompt it compresses."""
-    prompt_len = len(tokens) // 2 if engine.config.kv_eviction == "snapkv" else 0
+    prompt_len = len(tokens) // 2 if engine.config.eviction_config.kv_eviction == "snapkv" else 0
     return torch.cat([rows for _, rows in engine.score(tokens, chunk, prompt_len)])[:-1]
 
 
@@ -124,7 +124,7 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
     """Score ``tokens`` in windows of ``context`` under every variant; the first is the reference."""
     engines = []
     for v in variants:
-        config = EngineConfig(model=model, quantization=loaded.quantization, kv_cache_dtype=v.kv_dtype,
+        config = EngineConfig.from_settings(model=model, quantization=loaded.quantization, kv_cache_dtype=v.kv_dtype,
                            kv_key_scales=v.key_scales, kv_scales=kv_scales, block_size=block_size,
                            kv_cache_memory=kv_cache_memory, enable_prefix_caching=False, max_num_seqs=1,
                            max_model_len=context, max_num_batched_tokens=chunk,
@@ -158,13 +158,11 @@ def evaluate(loaded: LoadedModel, model: str, tokens: list[int], variants: list[
     layout = KVLayout.standard(mcfg.num_kv_heads, mcfg.head_dim)
     fp16_per_token = kv_block_bytes(layout, mcfg.num_layers, "fp16", block_size) / block_size
     ref_ppl = math.exp(totals[0].nll / totals[0].count)
-    budget = int(engines[0].config.kv_cache_memory or 0)
+    budget = int(engines[0].config.cache_config.kv_cache_memory or 0)
     results = []
     for v, engine, t, secs in zip(variants, engines, totals, seconds, strict=True):
         ppl = math.exp(t.nll / t.count)
         mode = engine.kv_quant.key_scale_mode
-        if v.key_scales == "global":
-            mode = "global"
         if engine.kv_cache_dtype not in ("int8", "int4"):
             mode = "static per layer" if engine.kv_cache_dtype.startswith("fp8") else "-"
         results.append(EvalResult(
@@ -179,12 +177,12 @@ def held_blocks(engine: LLMEngine, context: int, chunk: int) -> int:
     """Blocks one window of ``context`` tokens holds at its end: all of them; with streaming
     eviction its sinks, its window and a chunk; with snapkv its compressed prompt (the first
     half) and the rest (its whole prompt only while that prefills)."""
-    size, cfg = engine.config.block_size, engine.config
+    size, evict = engine.config.cache_config.block_size, engine.config.eviction_config
     if engine.eviction.default_window is not None:
         return min(cdiv(context, size), engine.eviction.default_window.blocks_held(size, chunk))
-    if cfg.kv_eviction == "snapkv":
+    if evict.kv_eviction == "snapkv":
         prompt = context // 2
-        kept = max(min(cfg.kv_observation_window, prompt), math.ceil(prompt * cfg.kv_compression_ratio))
+        kept = max(min(evict.kv_observation_window, prompt), math.ceil(prompt * evict.kv_compression_ratio))
         return cdiv(kept + context - prompt, size)
     return cdiv(context, size)
 
@@ -228,7 +226,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="builtin:python-reference",
                         help="held-out text: plain text, .jsonl, or builtin:python-reference (default)")
     parser.add_argument("--kv-cache-dtype", default="auto,fp8_e4m3,int8,int4",
-                        help="comma-separated variants, the first is the reference; DTYPE[:static|block|global]")
+                        help="comma-separated variants, the first is the reference; DTYPE[:static|block]")
     parser.add_argument("--kv-scales", default=None, help="calibration file (kvserve calibrate)")
     parser.add_argument("--kv-eviction", default="none",
                         help="none,streaming,snapkv: also score each KV dtype with StreamingLLM eviction at "
@@ -262,11 +260,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     variants = parse_variants(args.kv_cache_dtype)
     variants += [row for v in variants
                  for row in eviction_variants(v, args.kv_eviction, args.kv_window, args.kv_compression_ratio)]
-    probe = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+    probe = EngineConfig.from_settings(model=args.model, dtype=args.dtype, block_size=args.block_size,
                          quantization=args.quantization)  # validates
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[probe.dtype]
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[probe.model_config.dtype]
     loaded = load_model(args.model, device, dtype, args.quantization)
     if loaded.tokenizer is None:
         raise ConfigError(f"model {args.model!r} has no tokenizer to encode --data")

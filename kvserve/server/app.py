@@ -201,8 +201,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "kvserve", "max_model_len": max_model_len,
                                             "max_logprobs": config.max_logprobs,
-                                            "quantization": engine.engine.config.quantization,
-                                            "kv_cache_dtype": engine.engine.config.kv_cache_dtype}]}
+                                            "quantization": engine.engine.config.model_config.quantization,
+                                            "kv_cache_dtype": engine.engine.config.cache_config.kv_cache_dtype}]}
 
     @app.get("/v1/kv", dependencies=[Depends(check_auth)])
     async def kv() -> dict[str, Any]:

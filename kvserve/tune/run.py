@@ -31,7 +31,7 @@ def tune(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo)
     dtypes = list(dict.fromkeys(d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()))
     for dtype in dtypes:  # a bad name fails here, before anything loads
-        EngineConfig(model=args.model, kv_cache_dtype=dtype)
+        EngineConfig.from_settings(model=args.model, kv_cache_dtype=dtype)
     for flag in ("block_sizes", "max_num_seqs", "max_num_batched_tokens", "concurrency"):
         integers(getattr(args, flag), "--" + flag.replace("_", "-"))
     model_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
