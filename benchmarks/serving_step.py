@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,9 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kv_quant_throughput import time_decode_steps
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.loading import load_model
@@ -65,11 +69,7 @@ def step_times(llm: LLM, batch: int, steps: int) -> tuple[float, dict[str, float
         engine.step()
     for _ in range(3):
         engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    step_ms = time_decode_steps(llm, steps)["step_ms"]
     profiled = 10
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(profiled):
@@ -84,12 +84,11 @@ def step_times(llm: LLM, batch: int, steps: int) -> tuple[float, dict[str, float
         elif any(name in event.key for name in ATTENTION_OPS):
             split["attention"] += event.self_cpu_time_total
         total += event.self_cpu_time_total
-    step_us = statistics.median(times) * 1e6
     split = {k: v / profiled / 1e3 for k, v in split.items()}
-    split["rest"] = step_us / 1e3 - sum(split.values())
+    split["rest"] = step_ms - sum(split.values())
     while engine.has_unfinished_requests():
         engine.step()
-    return step_us / 1e3, split
+    return step_ms, split
 
 
 def main() -> None:

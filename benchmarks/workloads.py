@@ -19,6 +19,16 @@ def cpu_name() -> str:
         return "unknown"
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's vector ISA flags (avx*, amx*, fma): what decides which kernels run."""
+    try:
+        flags = next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+
+
 class Workload(NamedTuple):
     name: str
     prompts: list[list[int]]
