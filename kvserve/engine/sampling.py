@@ -151,8 +151,9 @@ class SampleResult:
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p masks (rows that do not ask are untouched)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps[:, None]
+    if any(p.temperature != 1.0 for p in params):  # a division by ones still reads every logit
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = logits / temps[:, None]
     vocab = logits.shape[-1]
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
     if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
@@ -184,8 +185,10 @@ def sample(
     raw = logits
     if history is not None:
         logits = process_logits(logits, params, history)
-    tokens = greedy_tokens(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(random_rows) == len(params):  # every row samples: no argmax, no copy of the rows
+        return with_logprobs(raw, draw(filter_logits(logits, params).softmax(dim=-1), generators).tolist(), params)
+    tokens = greedy_tokens(logits)
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         filtered = filter_logits(logits[rows], [params[i] for i in random_rows])

@@ -139,9 +139,11 @@ class AsyncEngine:
 
     def run(self) -> None:
         """The engine loop, in the calling thread, until stop(). ``kvserve serve`` runs it on the
-        process's main thread: torch's OpenMP parallel regions started from any other thread
-        cost ~2x as much (a 1 x 576 x 1,536 bf16 GEMV: 60 us from the main thread, 135 us from
-        another), which doubled a batch-1 decode step."""
+        thread that loaded the model (the main one): each thread that runs torch's parallel
+        regions keeps an OpenMP team, and with two teams alive (loading's and the loop's) libgomp
+        counts more threads than cores and stops its workers spinning between regions. Every
+        region then waits for a woken worker: a 1 x 576 x 1,536 bf16 product took 135 us
+        instead of 60, which nearly doubled a batch-1 decode step."""
         engine = self.engine
         while True:
             idle = self._error is not None or not engine.has_unfinished_requests()
