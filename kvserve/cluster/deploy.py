@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Any, cast
 
 import ray
@@ -68,8 +69,22 @@ class ReplicaServer:
         from kvserve.server.serve import build
 
         _setup_logging()
-        torch.set_num_threads(max(1, threads))
-        self.engine, self.app = build(engine_config, server_config)
+        built: Future[Any] = Future()
+
+        def load_and_loop() -> None:
+            # the model loads on the thread that then steps it: a second thread's OpenMP team
+            # would make libgomp stop spinning (AsyncEngine.run)
+            try:
+                torch.set_num_threads(max(1, threads))
+                engine, app = build(engine_config, server_config, start=False)
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            built.set_result((engine, app))
+            engine.run()
+
+        threading.Thread(target=load_and_loop, name="kvserve-engine", daemon=True).start()
+        self.engine, self.app = built.result()
         self.replica = str(serve.get_replica_context().replica_id.unique_id)
         self.board = board
 
