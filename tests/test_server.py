@@ -239,6 +239,23 @@ def test_logprobs_in_completion_and_chat(server: dict[str, Any]) -> None:
     assert all(len(c.top_logprobs) == 1 for c in content)
 
 
+def test_a_taken_port_stops_the_server_with_uvicorns_status() -> None:
+    """The engine loop holds the main thread; when uvicorn cannot listen, the process still
+    exits, with uvicorn's start-up failure status and its error, instead of serving nothing."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                 "--kv-cache-memory", "64MiB"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "address already in use" in result.stderr and "exiting with status 3" in result.stderr
+
+
 def test_sigterm_drains_in_flight_requests(tmp_path: Any) -> None:
     import signal
     import subprocess

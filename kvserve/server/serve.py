@@ -78,7 +78,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, host: str, p
     if engine.error is not None:
         logger.critical("exiting with status %d: the engine failed", ENGINE_DEAD_EXIT_CODE)
         return ENGINE_DEAD_EXIT_CODE
-    if failed:
-        logger.critical("the HTTP server stopped: %r", failed[0])
-        return 1
+    if failed:  # uvicorn's own status (3: it could not start, e.g. the port is taken), else 1
+        code = failed[0].code if isinstance(failed[0], SystemExit) and isinstance(failed[0].code, int) else 1
+        logger.critical("the HTTP server stopped (%r): exiting with status %d", failed[0], code)
+        return code
     return 0
