@@ -29,11 +29,11 @@ def wait_healthy(base: str, proc: subprocess.Popen[bytes], seconds: float = 300)
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(base + "/health").status_code == 200:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.5)  # serving_peers.py times start-up by this wait
     raise TimeoutError(base)
 
 

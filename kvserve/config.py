@@ -39,6 +39,16 @@ class ConfigError(ValueError):
 SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
 
 
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` keys). ``ngram`` proposes what
@@ -76,14 +86,10 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ConfigError(f"speculative_config: method must be one of {', '.join(SPEC_METHODS)}, "
-                              f"got {self.method!r}")
+        _check_choice("speculative_config: method", self.method, SPEC_METHODS)
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1),
                           ("num_draft_layers", 0), ("disable_by_batch_size", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"speculative_config: {name} must be an integer >= {low}, got {value!r}")
+            _check_int(f"speculative_config: {name}", getattr(self, name), low)
         if self.num_speculative_tokens > 32:
             raise ConfigError(f"speculative_config: num_speculative_tokens must be <= 32, "
                               f"got {self.num_speculative_tokens}")
@@ -182,16 +188,6 @@ def knob(default: Any, help: str, choices: tuple[str, ...] = (), kind: type | No
     does not show it: int for an optional count, str for a size written "2GiB") and a ``short``
     flag."""
     return field(default=default, metadata={"help": help, "choices": choices, "kind": kind, "short": short})
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -379,11 +375,8 @@ class EngineConfig:
 
     def settings(self) -> dict[str, Any]:
         """Every setting by its flat name (what from_settings takes back)."""
-        return {f.name: getattr(self.part(concern), f.name) for concern, f in setting_fields()}
-
-    def part(self, concern: str) -> Any:
-        """The settings object of ``concern`` (the engine config itself for speculative)."""
-        return self if concern == "speculative" else getattr(self, f"{concern}_config")
+        return {f.name: getattr(self if concern == "speculative" else getattr(self, f"{concern}_config"), f.name)
+                for concern, f in setting_fields()}
 
 
 _PARTS: dict[str, type] = {"model": ServedModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
