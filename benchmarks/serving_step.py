@@ -8,7 +8,7 @@ engine alone (no HTTP), and over a few more steps under torch's profiler the tim
 layers (the LM head included), in attention and the K/V writes, and the rest (sampling, norms,
 the step's Python). The floor: the bytes one step must read (every weight once, and the K/V the
 batch attends to) over this machine's read bandwidth (``x.sum()`` over 512 MiB, same threads,
-best of 5), and the linear layers' FLOPs over the peak the bf16 GEMM reached at 2,048 rows.
+best of 5), and the linear layers' FLOPs over the peak their GEMM reached at 2,048 rows.
 The same steps run once more from a second thread (how a server that steps off the main thread
 runs them: torch's OpenMP regions cost more there).
 """
@@ -25,16 +25,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_quant_throughput import time_decode_steps
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.loading import load_model
+from kvserve.model.int8_linear import Int8Linear
+from kvserve.model.llama import PackedLinear
 
-LINEAR_OPS = ("linear", "qlinear", "kvserve::bf16_linear", "aten::mm", "aten::addmm")
+LINEAR_OPS = ("linear", "qlinear", "aten::mm", "aten::addmm")
 ATTENTION_OPS = ("attention", "write_kv", "rope")
+
+
+def label_linears(model: torch.nn.Module) -> None:
+    """Run each linear layer's forward inside a profiler range named "linear": kvserve's C++ GEMMs
+    are pybind calls, which the profiler does not see on its own."""
+    def labelled(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with record_function("linear"):
+                return method(*args, **kwargs)
+        return call
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, PackedLinear, Int8Linear)):
+            module.forward = labelled(module.forward)  # type: ignore[method-assign]
+            if isinstance(module, Int8Linear):
+                module.forward_after_norm = labelled(module.forward_after_norm)  # type: ignore[method-assign]
 
 
 def read_bandwidth() -> float:
@@ -48,13 +65,16 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / best
 
 
-def gemm_peak(dtype: torch.dtype) -> float:
-    """FLOP/s of one 2,048 x 576 x 1,536 matmul in ``dtype`` (a prefill chunk's gate projection)."""
-    a, w = torch.randn(2048, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
-    torch.nn.functional.linear(a, w)
+def gemm_peak(dtype: torch.dtype, quantization: str | None) -> float:
+    """FLOP/s of one 2,048 x 576 x 1,536 linear layer (a prefill chunk's gate projection) as the
+    engine builds it: kvserve's packed layer in ``dtype``, or its int8 one."""
+    linear = torch.nn.Linear(576, 1536, bias=False).to(dtype)
+    layer = Int8Linear(linear) if quantization == "int8" else PackedLinear(linear)
+    a = torch.randn(2048, 576, dtype=dtype)
+    layer(a)
     start = time.perf_counter()
     for _ in range(20):
-        torch.nn.functional.linear(a, w)
+        layer(a)
     return 20 * 2 * 2048 * 576 * 1536 / (time.perf_counter() - start)
 
 
@@ -103,7 +123,8 @@ def main() -> None:
     loaded = load_model("smollm2-135m", torch.device("cpu"), dtype, args.quantization)
     llm = LLM(loaded=loaded, dtype=args.dtype, quantization=args.quantization, kv_cache_memory="1GiB",
               max_model_len=2048, enable_prefix_caching=False)
-    bandwidth, peak = read_bandwidth(), gemm_peak(dtype)
+    label_linears(loaded.model)
+    bandwidth, peak = read_bandwidth(), gemm_peak(dtype, args.quantization)
     weights = loaded.weight_bytes
     cfg = loaded.config
     weight_size = 1 if args.quantization == "int8" else torch.empty((), dtype=dtype).element_size()

@@ -109,8 +109,8 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, tokens: int, inter: int,
     torch.testing.assert_close(out.float(), expected, atol=tol * 4, rtol=tol)
 
 
-# the AVX512-BF16 GEMM: the avx512 build's (the amx build leaves bf16 linears to oneDNN's AMX tiles)
-bf16_gemm_levels = pytest.mark.isa_levels("avx512")
+# the bf16 GEMM: AVX512-BF16 dot products in avx512; in amx AMX tiles from 2 rows (the dot products at 1)
+bf16_gemm_levels = pytest.mark.isa_levels("avx512", "amx")
 
 
 @bf16_gemm_levels

@@ -27,13 +27,14 @@ from kvserve.model.int8_linear import (
     quantize_linears,
     quantize_rows,
 )
+from kvserve.model.llama import PackedLinear
 from kvserve.model.rotation import rotate_rows
 from kvserve.quant.data import python_reference
 from kvserve.quant.evaluate import next_token_logprobs
 
-# the builds with kvserve's int8 GEMM (VNNI in avx512, 16-bit pairs in avx2 and portable); the amx
-# build leaves the int8 GEMM to oneDNN's AMX tiles
-kernel_levels = pytest.mark.isa_levels("portable", "avx2", "avx512")
+# the builds with kvserve's int8 GEMM: 16-bit pairs in portable and avx2, VNNI in avx512, and in amx
+# VNNI below 8 rows, AMX tiles from 8 (where in_features is a multiple of 64)
+kernel_levels = pytest.mark.isa_levels("portable", "avx2", "avx512", "amx")
 # relative error of the output's last rounding: bf16 rounds twice (oneDNN's result, then the row scale)
 ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11}
 
@@ -88,15 +89,17 @@ def _kernel_available() -> bool:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [72, 144])
 @pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("in_features", [96, 192])
 @kernel_levels
 def test_int8_kernel_is_the_rescaled_int8_product(dtype: torch.dtype, bias: bool, out_features: int, rotate: bool,
-                                                  isa: str) -> None:
-    """kvserve's C++ int8 GEMM (VNNI at avx512, 16-bit pairs at avx2 and portable) computes the
-    int8 product exactly and rounds only at the end, within ~2% of the float layer. 72 outputs: a
-    partial group of 16 channels; 144: nine groups, so each of two threads runs a 4-group panel
-    and a narrower one; 40 rows: tiles and a tail. With ``rotate`` the product is that of the
-    rotated rows and weight (the kernel turns the rows in C++), and still the layer's."""
-    layer = _check_int8_layer(dtype, bias, out_features, rotate, in_features=96, rounds_twice=False)
+                                                  in_features: int, isa: str) -> None:
+    """kvserve's C++ int8 GEMM (VNNI at avx512, 16-bit pairs at avx2 and portable, AMX tiles at
+    amx for 40 rows of 192 inputs) computes the int8 product exactly and rounds only at the end,
+    within ~2% of the float layer. 72 outputs: a partial group of 16 channels; 144: nine groups,
+    so each of two threads runs a 4-group panel and a narrower one; 40 rows: tiles and a tail.
+    With ``rotate`` the product is that of the rotated rows and weight (the kernel turns the rows
+    in C++), and still the layer's."""
+    layer = _check_int8_layer(dtype, bias, out_features, rotate, in_features=in_features, rounds_twice=False)
     assert layer.kernel_packed is not None and layer.packed is None and layer.codes is None
     assert layer.weight_max == 127
 
@@ -213,6 +216,41 @@ def test_int8_layer_after_norm_is_the_layer_of_the_normed_rows(dtype: torch.dtyp
             expected = nn.functional.silu(gate) * up
         assert out.shape == (m, 32 if gated else 64) and out.dtype == dtype
         _assert_within_rounding(out, expected, dtype)
+
+
+@pytest.mark.isa_levels("amx")
+@pytest.mark.parametrize("rows", [8, 17, 40, 300])
+def test_amx_tiles_give_the_vector_kernels_results(rows: int, isa: str) -> None:
+    """The amx build's tiles against its vector kernels (set_amx off) on the same packed weights:
+    int8 layers (plain, gated, after the norm) equal to the bit, the int32 sums being exact; bf16
+    layers (plain, gated) within one rounding, their float32 sums added in another order. Rows:
+    a 16-row block with a tail, whole and partial 32-row blocks, several 256-row chunks; 72
+    outputs: an odd number of groups, so a thread runs a group without a pair."""
+    set_amx = cpu_op("set_amx")
+    torch.manual_seed(rows)
+    x, delta = _rows(torch.bfloat16, rows, 192), torch.randn(rows, 192).bfloat16()
+    cases: list[tuple[str, Callable[[], torch.Tensor]]] = []
+    for out_features in (72, 160):
+        linear = nn.Linear(192, out_features).to(torch.bfloat16)
+        int8, bf16 = Int8Linear(linear), PackedLinear(linear)
+        cases += [("int8", lambda layer=int8: layer(x)), ("bf16", lambda layer=bf16: layer(x)),
+                  ("int8", lambda layer=int8: layer.forward_after_norm(x.clone(), delta, 1e-6))]
+    gate_up = nn.Linear(192, 160).to(torch.bfloat16)
+    gated_int8, gated_bf16 = Int8Linear(gate_up), PackedLinear(gate_up)
+    assert gated_int8.fuse_silu() and gated_bf16.fuse_silu()
+    cases += [("int8", lambda: gated_int8(x)), ("bf16", lambda: gated_bf16(x))]
+    try:
+        results = []
+        for tiles in (True, False):
+            assert set_amx(tiles) == tiles, "the AMX tiles are not usable on this AMX CPU"
+            results.append([run() for _, run in cases])
+    finally:
+        set_amx(True)
+    for (kind, _), with_tiles, without in zip(cases, *results, strict=True):
+        if kind == "int8":
+            assert torch.equal(with_tiles, without)
+        else:
+            torch.testing.assert_close(with_tiles.float(), without.float(), atol=1e-3, rtol=2**-7)
 
 
 @kernel_levels

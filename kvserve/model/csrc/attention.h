@@ -4,6 +4,7 @@
 // paths for bf16 pairs).
 #pragma once
 
+#include "amx.h"
 #include "common.h"
 
 // Some key rows of one block of the next job: NextKeys::rows.
@@ -533,47 +534,8 @@ static void fill_bf16_pairs(const KeyRow& key, const ValueRow& value, int64_t le
 // bf16 weights of key pairs as B. Keys go by in chunks of kAmxChunk with a running maximum per
 // query (flash attention's online softmax); the outputs are rescaled only when a chunk's maximum
 // passes the one in use by more than kSoftmaxSlack, which after the first chunk is rare.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVSERVE_AMX 1
-#include <sys/syscall.h>
-
+#if defined(KVSERVE_AMX)
 constexpr int64_t kAmxChunk = 256;
-
-// Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM for XTILEDATA).
-static inline bool amx_permitted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-// Tiles 0-7 all 16 rows x 64 bytes: 16 x 16 float32, or 16 rows of 16 bf16 pairs.
-static inline void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
-// The tile loads are asm without a memory clobber: make the compiler finish plain stores first.
-static inline void memory_fence_for_tiles() { asm volatile("" ::: "memory"); }
-
-// C tiles 0-3 += two A tiles (loaded into 4, 5) times two B tiles (6, 7): tile 2i + j += A_i B_j.
-static inline void tile_product_2x2(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
-                                    int64_t b_stride) {
-  _tile_loadd(4, a0, a_stride);
-  _tile_loadd(5, a1, a_stride);
-  _tile_loadd(6, b0, b_stride);
-  _tile_loadd(7, b1, b_stride);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
-}
 
 // C tiles 0-3 to or from 32 rows of a [rows][32] float32 buffer: tile 2i + j at rows 16i, columns 16j.
 static inline void store_tiles_2x2(float* rows) {
@@ -633,7 +595,7 @@ static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const u
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t s = 0; s < steps; ++s)
-        tile_product_2x2(k + 32 * s, k + 16 * dim + 32 * s, dim * 2, &qt[s][0][0][0], &qt[s][1][0][0], 64);
+        tile_product<TileDot::kBf16>(k + 32 * s, k + 16 * dim + 32 * s, dim * 2, &qt[s][0][0][0], &qt[s][1][0][0], 64);
       store_tiles_2x2(&st[j][0]);
     }
     // this chunk's maximum per query; the outputs are rescaled only when it passes the one in use
@@ -684,7 +646,7 @@ static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const u
       load_tiles_2x2(&out_t[d0][0]);
       for (int64_t j = 0; j < n; j += 32) {
         const c10::BFloat16* v = values_t + (c0 + j) * dim + d0 * 32;  // this 32-key block's [dim][32]
-        tile_product_2x2(v, v + 16 * 32, 64, &pt[j / 2][0], &pt[j / 2][16], 128);
+        tile_product<TileDot::kBf16>(v, v + 16 * 32, 64, &pt[j / 2][0], &pt[j / 2][16], 128);
       }
       store_tiles_2x2(&out_t[d0][0]);
     }
@@ -701,16 +663,6 @@ static void prefill_rows_amx(const uint32_t* qp, const int64_t* row_len, const u
   }
 }
 #endif
-
-inline std::atomic<bool> amx_on{true};  // one for every file; set_amx turns the tile path off (tests, benchmarks)
-
-static inline bool use_amx() {
-#if defined(KVSERVE_AMX)
-  return amx_permitted() && amx_on.load(std::memory_order_relaxed);
-#else
-  return false;
-#endif
-}
 
 // Prefill for batch sequences of query_len new tokens each. fill(b, h, len, stride, keys_t,
 // values) writes sequence b's KV head h: as float32, keys transposed [dim][stride] and values

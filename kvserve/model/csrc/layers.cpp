@@ -2,13 +2,15 @@
 // add_rms_norm / silu_and_mul: residual add + RMSNorm and SwiGLU's gate, one pass each instead
 // of several torch ops (each a dispatch and a trip through memory), float32 inside.
 // int8_linear (+ int8_gemm_pack): a W8A8 linear layer in one call, on the VNNI int8 GEMM (avx512
-// build) or the 16-bit pairs one (avx2, portable); quantize_rows_int8 / scale_rows_: the two ends
-// of one where oneDNN does the GEMM (amx build).
+// and amx builds; the amx build's AMX tiles from 8 rows) or the 16-bit pairs one (avx2, portable);
+// bf16_linear (+ bf16_gemm_pack): the same for bf16 weights (AVX512-BF16 dot products, AMX tiles).
+// quantize_rows_int8 / scale_rows_: the two ends of an int8 layer where oneDNN does the GEMM.
 #include <omp.h>
 #if defined(__x86_64__)
 #include <immintrin.h>  // the pairs kernel's SSE2 at the portable level
 #endif
 
+#include "amx.h"
 #include "common.h"
 #include "ops.h"
 
@@ -525,26 +527,24 @@ struct Int8GemmArgs {
   bool gated;              // (gate, up) group pairs -> silu(gate) * up, out [m, n / 2]
 };
 
-template <int MR, int NR, typename T>
-static void int8_tile(const Int8GemmArgs& a, int64_t row, int64_t group, T* out, const PrefetchShare& prefetch) {
-  __m512i acc[MR][NR];
-  tile_sums<MR, NR, 4>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch, acc,
-                       [](__m512i sum, __m512i x, __m512i w) { return dpbusd(sum, x, w); });
-  store_any_tile<MR, NR>(out, a.n, row, group, a.gated, [&](int i, int j) {
-    const int64_t c = group * 16 + 16 * j;
-    const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(a.comp + c)));
-    const __m512 v = _mm512_mul_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(a.w_scales + c), _mm512_set1_ps(a.x_scales[row + i])));
-    return a.bias != nullptr ? _mm512_add_ps(v, _mm512_loadu_ps(a.bias + c)) : v;
-  });
-}
-
 struct Int8Tile {
   using Args = Int8GemmArgs;
+  using Sum = int32_t;
   static constexpr int kPerWord = 4;
   static const void* group_start(const Args& a, int64_t group) { return a.packed + group * a.k * 16; }
+  // row's 16 results at channels [c, c + 16) from their int32 sums
+  static __m512 result(const Args& a, __m512i sums, int64_t row, int64_t c) {
+    const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_loadu_si512(a.comp + c)));
+    const __m512 v = _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_loadu_ps(a.w_scales + c), _mm512_set1_ps(a.x_scales[row])));
+    return a.bias != nullptr ? _mm512_add_ps(v, _mm512_loadu_ps(a.bias + c)) : v;
+  }
   template <int MR, int NR, typename T>
   static void run(const Args& a, int64_t row, int64_t group, T* out, const PrefetchShare& prefetch) {
-    int8_tile<MR, NR>(a, row, group, out, prefetch);
+    __m512i acc[MR][NR];
+    tile_sums<MR, NR, 4>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch, acc,
+                         [](__m512i sum, __m512i x, __m512i w) { return dpbusd(sum, x, w); });
+    store_any_tile<MR, NR>(out, a.n, row, group, a.gated,
+                           [&](int i, int j) { return result(a, acc[i][j], row + i, group * 16 + 16 * j); });
   }
 };
 #endif
@@ -618,25 +618,130 @@ struct Bf16GemmArgs {
 
 struct Bf16Tile {
   using Args = Bf16GemmArgs;
+  using Sum = float;
   static constexpr int kPerWord = 2;
   static const void* group_start(const Args& a, int64_t group) { return a.packed + group * a.k * 16; }
+  static __m512 result(const Args& a, __m512 sums, int64_t, int64_t c) {
+    return a.bias != nullptr ? _mm512_add_ps(sums, _mm512_loadu_ps(a.bias + c)) : sums;
+  }
   template <int MR, int NR, typename T>
   static void run(const Args& a, int64_t row, int64_t group, T* out, const PrefetchShare& prefetch) {
     __m512 acc[MR][NR];
     tile_sums<MR, NR, 2>(a.x + row * a.k, a.k, a.packed + group * a.k * 16, prefetch,
                          acc, [](__m512 sum, __m512i x, __m512i w) { return dpbf16(sum, x, w); });
-    store_any_tile<MR, NR>(out, a.n, row, group, a.gated, [&](int i, int j) {
-      return a.bias != nullptr ? _mm512_add_ps(acc[i][j], _mm512_loadu_ps(a.bias + group * 16 + 16 * j)) : acc[i][j];
-    });
+    store_any_tile<MR, NR>(out, a.n, row, group, a.gated,
+                           [&](int i, int j) { return result(a, acc[i][j], row + i, group * 16 + 16 * j); });
   }
 };
 #endif
 
+#if defined(KVSERVE_AMX)
+// The GEMMs of prefill-sized batches in the amx build: AMX tiles on the vector kernels' packed
+// weights, so one copy of a weight serves both. A packed group's k step of 16 rows x 64 bytes
+// ([k / 4][16][4] int8: 16 k quads; [k / 2][16][2] bf16: 16 k pairs) lies as a B tile, 1 KiB
+// contiguous; the activations' rows (u8 codes + 128 or bf16, 64 bytes of k a step) are the A tiles.
+// A thread's groups go by in blocks of up to 1 MiB of weights (read from memory once, kept in L2),
+// each against the rows in chunks of 256, and within those in pairs of groups against blocks of 32
+// rows (2 x 2 tiles of sums); the sums go through a buffer into the vector kernels' epilogue
+// (Tile::result: scales, bias; then the gated SwiGLU; rounding). At 2,048 rows (prefill) the int8
+// layers run at oneDNN's speed and the bf16 ones at ~0.7-0.8x (benchmarks/linear_gemm.py): the
+// tile products alone match oneDNN's, the epilogue does not yet hide behind them.
+// Rows from which the tiles beat the vector kernels (30 layers of SmolLM2's shapes, weights cold, 2
+// threads of a Sapphire Rapids Xeon: bf16 on par at 1 row and ahead from 2, 1.3-3x at 8-48; int8
+// ahead from 8, 1.2-1.3x at 8-32); below them the weight streams once per step either way.
+constexpr int64_t kAmxMinRowsBf16 = 2, kAmxMinRowsInt8 = 8;
+constexpr int64_t kAmxRowChunk = 256, kAmxBlockBytes = 1 << 20;
+
+// The first min(16, cols) of v into dst, rounded into T.
+template <typename T>
+static inline void store16(T* dst, __m512 v, int64_t cols) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (cols >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+  } else if constexpr (std::is_same_v<T, float>) {
+    if (cols >= 16) return _mm512_storeu_ps(dst, v);
+  }
+  alignas(64) float values[16];
+  _mm512_store_ps(values, v);
+  from_float(values, dst, std::min<int64_t>(16, cols));
+}
+
+template <TileDot D, int MT, int NG, typename Sum>
+static inline void amx_sums(const char* a, int64_t a_stride, const char* b, int64_t group_bytes, int64_t steps,
+                            Sum (*sums)[32]) {
+  _tile_zero(0);
+  if constexpr (NG == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NG == 2) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s)
+    tile_product<D, MT, NG>(a + 64 * s, a + 16 * a_stride + 64 * s, a_stride, b + 1024 * s, b + group_bytes + 1024 * s,
+                            64);
+  _tile_stored(0, sums[0], 128);
+  if constexpr (NG == 2) _tile_stored(1, sums[0] + 16, 128);
+  if constexpr (MT == 2) _tile_stored(2, sums[16], 128);
+  if constexpr (MT == 2 && NG == 2) _tile_stored(3, sums[16] + 16, 128);
+}
+
+// Groups [begin, end) of a.n's (whole (gate, up) pairs when gated) for rows [0, a.m) of x_rows
+// (a_stride bytes each; readable up to a.m rounded up to 16: the rows past a.m are computed, never
+// stored), into out.
+template <typename Tile, TileDot D, typename T>
+static void amx_gemm(const typename Tile::Args& a, const void* x_rows, int64_t a_stride, int64_t begin, int64_t end,
+                     T* out) {
+  using Sum = typename Tile::Sum;
+  const char* x = static_cast<const char*>(x_rows);
+  const char* packed = static_cast<const char*>(Tile::group_start(a, 0));
+  const int64_t group_bytes = a_stride * 16, steps = a_stride / 64;
+  alignas(64) Sum sums[32][32];
+  // groups in blocks of up to kAmxBlockBytes of weights (whole pairs), each read from memory once
+  // and kept in L2 while every row chunk passes it
+  const int64_t block_groups = std::max<int64_t>(2, kAmxBlockBytes / group_bytes / 2 * 2);
+  configure_tiles();
+  for (int64_t block = begin; block < end; block += block_groups) {
+    const int64_t block_end = std::min(end, block + block_groups);
+    for (int64_t chunk = 0; chunk < a.m; chunk += kAmxRowChunk) {
+      const int64_t chunk_end = std::min(a.m, chunk + kAmxRowChunk);
+      for (int64_t g = block; g < block_end; g += 2) {
+        const bool pair = g + 1 < block_end;
+        const char* b = packed + g * group_bytes;
+        for (int64_t row = chunk; row < chunk_end; row += 32) {
+          const char* rows = x + row * a_stride;
+          const bool two = row + 16 < chunk_end;
+          memory_fence_for_tiles();
+          if (two && pair) amx_sums<D, 2, 2>(rows, a_stride, b, group_bytes, steps, sums);
+          else if (two) amx_sums<D, 2, 1>(rows, a_stride, b, group_bytes, steps, sums);
+          else if (pair) amx_sums<D, 1, 2>(rows, a_stride, b, group_bytes, steps, sums);
+          else amx_sums<D, 1, 1>(rows, a_stride, b, group_bytes, steps, sums);
+          memory_fence_for_tiles();
+          for (int64_t i = 0; i < std::min<int64_t>(32, chunk_end - row); ++i) {
+            const auto value = [&](int j) {
+              if constexpr (std::is_same_v<Sum, float>) return Tile::result(a, _mm512_load_ps(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
+              else return Tile::result(a, _mm512_load_si512(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
+            };
+            if (a.gated) {  // block_groups and the thread's range are whole pairs
+              store16(out + (row + i) * (a.n / 2) + g / 2 * 16, silu_mul16(value(0), value(1)), 16);
+            } else {
+              T* dst = out + (row + i) * a.n + g * 16;
+              store16(dst, value(0), a.n - g * 16);
+              if (pair) store16(dst + 16, value(1), a.n - g * 16 - 16);
+            }
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Whether a layer of m rows and k_bytes of input per row runs on the tiles.
+static inline bool amx_gemm_fits(int64_t m, int64_t min_rows, int64_t k_bytes) {
+  return m >= min_rows && k_bytes % 64 == 0 && use_amx();
+}
+#endif
+
 std::vector<torch::Tensor> bf16_gemm_pack(torch::Tensor w) {
   // w bf16 [n, k] -> packed bf16 [groups, k / 2, 16, 2] for bf16_linear, channels past n zero; empty
-  // where this build has no AVX512-BF16 or k is odd, and on CPUs with AMX-BF16, where oneDNN
-  // multiplies in tiles (the kernel was not measured against those)
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+  // where this build has no AVX512-BF16 or k is odd
+#if defined(__AVX512BF16__)
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w: bf16 [n, k]");
   const int64_t n = w.size(0), k = w.size(1), groups = (n + 15) / 16;
   if (k % 2 != 0) return {};
@@ -674,6 +779,17 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   const Bf16GemmArgs args{reinterpret_cast<const uint16_t*>(x.data_ptr()),
                           reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                           bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, out_features, gated};
+#if defined(KVSERVE_AMX)
+  if (amx_gemm_fits(m, kAmxMinRowsBf16, k * 2)) {
+    // the tiles read whole 16-row blocks: a last partial one from a zero-padded copy
+    const torch::Tensor rows = m % 16 == 0 ? x : torch::constant_pad_nd(x, {0, 0, 0, 16 - m % 16});
+    auto* result = out.data_ptr<c10::BFloat16>();
+    parallel_gemm(m, groups, gated, [](int64_t, int64_t) {}, [&](int64_t begin, int64_t end) {
+      amx_gemm<Bf16Tile, TileDot::kBf16>(args, rows.data_ptr(), k * 2, begin, end, result);
+    });
+    return out;
+  }
+#endif
   packed_gemm<Bf16Tile>(args, out.data_ptr<c10::BFloat16>(), [](int64_t, int64_t) {});
   return out;
 #else
@@ -788,9 +904,9 @@ constexpr int kInt8PerWord = 4;
 std::vector<torch::Tensor> int8_gemm_pack(torch::Tensor codes, torch::Tensor scales) {
   // codes int8 [n, k], scales float32 [n] -> (packed int8 [groups, k / w, 16, w], comp int32 [groups * 16]: 128 *
   // each channel's sum (the VNNI kernel's offset), scales float32 [groups * 16]), channels past n zero; w = 4 for
-  // the VNNI kernel, 2 for the pairs kernel. Empty where k % w != 0, where this build has no int8 GEMM, and in the
-  // amx build, where oneDNN multiplies in AMX tiles (the kernels were not measured against those)
-#if (defined(KVSERVE_INT8_VNNI) || defined(KVSERVE_INT8_PAIRS)) && !defined(__AMX_INT8__)
+  // the VNNI kernel (and the amx build's tiles), 2 for the pairs kernel. Empty where k % w != 0 or where this build
+  // has no int8 GEMM
+#if defined(KVSERVE_INT8_VNNI) || defined(KVSERVE_INT8_PAIRS)
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kChar && scales.numel() == codes.size(0),
               "codes: int8 [n, k], scales: [n]");
   constexpr int64_t w = kInt8PerWord;
@@ -847,7 +963,8 @@ static torch::Tensor int8_layer(const torch::Tensor& x, const torch::Tensor& pac
   // thread keeps, not two tensors (with the fused pass above: 4.5 -> 3.6 us a call at 32 x 576);
   // the pairs kernel's codes widened to 16 bits after them
   thread_local std::vector<float> scratch;
-  const int64_t code_words = (m * k + 3) / 4, wide_words = kInt8Offset ? 0 : (m * k + 1) / 2;
+  // (the AMX tiles read the codes in whole 16-row blocks: rows up to a multiple of 16)
+  const int64_t code_words = ((m + 15) / 16 * 16 * k + 3) / 4, wide_words = kInt8Offset ? 0 : (m * k + 1) / 2;
   scratch.resize(static_cast<size_t>(m + code_words + wide_words));
   float* row_scales = scratch.data();
   uint8_t* row_codes = reinterpret_cast<uint8_t*>(scratch.data() + m);
@@ -858,9 +975,17 @@ static torch::Tensor int8_layer(const torch::Tensor& x, const torch::Tensor& pac
 #if defined(KVSERVE_INT8_VNNI)
     const Int8GemmArgs args{row_codes, row_scales, packed.data_ptr<int8_t>(), comp.data_ptr<int32_t>(),
                             scales.data_ptr<float>(), bias_data, m, k, out_features, gated};
-    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), [&](int64_t begin, int64_t end) {
-      quantize(rows, row_codes, row_scales, begin, end);
-    });
+    const auto prologue = [&](int64_t begin, int64_t end) { quantize(rows, row_codes, row_scales, begin, end); };
+#if defined(KVSERVE_AMX)
+    if (amx_gemm_fits(m, kAmxMinRowsInt8, k)) {
+      scalar_t* result = out.data_ptr<scalar_t>();
+      parallel_gemm(m, groups, gated, prologue, [&](int64_t begin, int64_t end) {
+        amx_gemm<Int8Tile, TileDot::kInt8>(args, row_codes, k, begin, end, result);
+      });
+      return;
+    }
+#endif
+    packed_gemm<Int8Tile>(args, out.data_ptr<scalar_t>(), prologue);
 #else
     int16_t* wide = reinterpret_cast<int16_t*>(scratch.data() + m + code_words);
     const Int8PairArgs args{wide, row_scales, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_data,
