@@ -640,17 +640,19 @@ struct Bf16Tile {
 // weights, so one copy of a weight serves both. A packed group's k step of 16 rows x 64 bytes
 // ([k / 4][16][4] int8: 16 k quads; [k / 2][16][2] bf16: 16 k pairs) lies as a B tile, 1 KiB
 // contiguous; the activations' rows (u8 codes + 128 or bf16, 64 bytes of k a step) are the A tiles.
-// A thread's groups go by in blocks of up to 1 MiB of weights (read from memory once, kept in L2),
-// each against the rows in chunks of 256, and within those in pairs of groups against blocks of 32
-// rows (2 x 2 tiles of sums); the sums go through a buffer into the vector kernels' epilogue
-// (Tile::result: scales, bias; then the gated SwiGLU; rounding). At 2,048 rows (prefill) the int8
-// layers run at oneDNN's speed and the bf16 ones at ~0.7-0.8x (benchmarks/linear_gemm.py): the
-// tile products alone match oneDNN's, the epilogue does not yet hide behind them.
+// A thread's groups go by in blocks of up to 1 MiB of weights (read from memory once, kept in L2);
+// each block of 32 rows (in L1) passes a block's groups in pairs (2 x 2 tiles of sums; the B tiles
+// are contiguous, so they stream from L2 at the prefetchers' pace: groups outer and rows inner
+// took 1.3x the time of a 2,048 x 576 -> 3,072 bf16 layer). The sums go through a buffer into the
+// vector kernels' epilogue (Tile::result: scales, bias; then the gated SwiGLU; rounding). At 2,048
+// rows (30 cold layers) the int8 layers took 0.84x oneDNN's time and the bf16 ones 1.26x, at 256
+// rows 0.80x and 0.88x (benchmarks/linear_gemm.py); two buffers of sums, to overlap each block's
+// epilogue with the next block's tiles, measured no faster.
 // Rows from which the tiles beat the vector kernels (30 layers of SmolLM2's shapes, weights cold, 2
 // threads of a Sapphire Rapids Xeon: bf16 on par at 1 row and ahead from 2, 1.3-3x at 8-48; int8
 // ahead from 8, 1.2-1.3x at 8-32); below them the weight streams once per step either way.
 constexpr int64_t kAmxMinRowsBf16 = 2, kAmxMinRowsInt8 = 8;
-constexpr int64_t kAmxRowChunk = 256, kAmxBlockBytes = 1 << 20;
+constexpr int64_t kAmxBlockBytes = 1 << 20;
 
 // The first min(16, cols) of v into dst, rounded into T.
 template <typename T>
@@ -692,38 +694,34 @@ static void amx_gemm(const typename Tile::Args& a, const void* x_rows, int64_t a
   const char* packed = static_cast<const char*>(Tile::group_start(a, 0));
   const int64_t group_bytes = a_stride * 16, steps = a_stride / 64;
   alignas(64) Sum sums[32][32];
-  // groups in blocks of up to kAmxBlockBytes of weights (whole pairs), each read from memory once
-  // and kept in L2 while every row chunk passes it
+  // groups in blocks of up to kAmxBlockBytes of weights (whole pairs)
   const int64_t block_groups = std::max<int64_t>(2, kAmxBlockBytes / group_bytes / 2 * 2);
   configure_tiles();
   for (int64_t block = begin; block < end; block += block_groups) {
     const int64_t block_end = std::min(end, block + block_groups);
-    for (int64_t chunk = 0; chunk < a.m; chunk += kAmxRowChunk) {
-      const int64_t chunk_end = std::min(a.m, chunk + kAmxRowChunk);
+    for (int64_t row = 0; row < a.m; row += 32) {
+      const char* rows = x + row * a_stride;
+      const bool two = row + 16 < a.m;
       for (int64_t g = block; g < block_end; g += 2) {
         const bool pair = g + 1 < block_end;
         const char* b = packed + g * group_bytes;
-        for (int64_t row = chunk; row < chunk_end; row += 32) {
-          const char* rows = x + row * a_stride;
-          const bool two = row + 16 < chunk_end;
-          memory_fence_for_tiles();
-          if (two && pair) amx_sums<D, 2, 2>(rows, a_stride, b, group_bytes, steps, sums);
-          else if (two) amx_sums<D, 2, 1>(rows, a_stride, b, group_bytes, steps, sums);
-          else if (pair) amx_sums<D, 1, 2>(rows, a_stride, b, group_bytes, steps, sums);
-          else amx_sums<D, 1, 1>(rows, a_stride, b, group_bytes, steps, sums);
-          memory_fence_for_tiles();
-          for (int64_t i = 0; i < std::min<int64_t>(32, chunk_end - row); ++i) {
-            const auto value = [&](int j) {
-              if constexpr (std::is_same_v<Sum, float>) return Tile::result(a, _mm512_load_ps(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
-              else return Tile::result(a, _mm512_load_si512(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
-            };
-            if (a.gated) {  // block_groups and the thread's range are whole pairs
-              store16(out + (row + i) * (a.n / 2) + g / 2 * 16, silu_mul16(value(0), value(1)), 16);
-            } else {
-              T* dst = out + (row + i) * a.n + g * 16;
-              store16(dst, value(0), a.n - g * 16);
-              if (pair) store16(dst + 16, value(1), a.n - g * 16 - 16);
-            }
+        memory_fence_for_tiles();
+        if (two && pair) amx_sums<D, 2, 2>(rows, a_stride, b, group_bytes, steps, sums);
+        else if (two) amx_sums<D, 2, 1>(rows, a_stride, b, group_bytes, steps, sums);
+        else if (pair) amx_sums<D, 1, 2>(rows, a_stride, b, group_bytes, steps, sums);
+        else amx_sums<D, 1, 1>(rows, a_stride, b, group_bytes, steps, sums);
+        memory_fence_for_tiles();
+        for (int64_t i = 0; i < std::min<int64_t>(32, a.m - row); ++i) {
+          const auto value = [&](int j) {
+            if constexpr (std::is_same_v<Sum, float>) return Tile::result(a, _mm512_load_ps(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
+            else return Tile::result(a, _mm512_load_si512(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
+          };
+          if (a.gated) {  // block_groups and the thread's range are whole pairs
+            store16(out + (row + i) * (a.n / 2) + g / 2 * 16, silu_mul16(value(0), value(1)), 16);
+          } else {
+            T* dst = out + (row + i) * a.n + g * 16;
+            store16(dst, value(0), a.n - g * 16);
+            if (pair) store16(dst + 16, value(1), a.n - g * 16 - 16);
           }
         }
       }
