@@ -102,14 +102,15 @@ def workloads(generate: Generate, caching: bool, repeats: int, names: tuple[str,
     return results
 
 
-def kvserve_generate(caching: bool, dtype: str, cascade: bool = True) -> Generate:
+def kvserve_generate(caching: bool, dtype: str, cascade: bool = True, quantization: str | None = None) -> Generate:
     import torch
 
     from kvserve import LLM, SamplingParams
 
     torch.set_num_threads(2)
     llm = LLM("smollm2-135m", dtype=dtype, block_size=16, kv_cache_memory="4GiB", max_num_seqs=64,
-              max_model_len=2048, enable_prefix_caching=caching, disable_cascade_attn=not cascade)
+              max_model_len=2048, enable_prefix_caching=caching, disable_cascade_attn=not cascade,
+              quantization=quantization)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], int, float]]:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
@@ -174,6 +175,8 @@ def main() -> None:
                         help="only: kvserve's shared-prefix run (caching on, fresh engine) under torch's profiler")
     parser.add_argument("--repeats", type=int, default=1,
                         help="shared-prefix runs per engine with caching on (seeds 0 .. N-1); the median is reported")
+    parser.add_argument("--quantization", default=None,
+                        help="also run kvserve with these weights (caching on), e.g. int8")
     parser.add_argument("--disable-cascade-attn", action="store_true",
                         help="kvserve reads the shared prefix once per sequence (as before cascade attention)")
     args = parser.parse_args()
@@ -196,6 +199,12 @@ def main() -> None:
         generate([[1, 2, 3]], 2)
         runs.append({"engine": "kvserve, no cascade", "caching": True,
                      "results": workloads(generate, True, args.repeats, ("shared-prefix",))})
+        print(json.dumps(runs[-1]), flush=True)
+    if args.quantization:
+        generate = kvserve_generate(True, args.dtype, not args.disable_cascade_attn, args.quantization)
+        generate([[1, 2, 3]], 2)
+        runs.append({"engine": f"kvserve, {args.quantization} weights", "caching": True,
+                     "results": workloads(generate, True, args.repeats)})
         print(json.dumps(runs[-1]), flush=True)
     if args.vllm_python:
         from throughput import export_hf_folder
