@@ -222,6 +222,23 @@ def test_grafana_dashboard_uses_only_exposed_metrics(server: dict[str, Any]) -> 
     assert used and used <= exposed, used - exposed
 
 
+def test_monitoring_page_documents_every_exposed_metric(server: dict[str, Any]) -> None:
+    """docs/monitoring.md has a row for every kvserve family the server exposes, and names no
+    kvserve metric that is neither exposed here nor one of the families only some servers have
+    (speculative decoding, a tuned configuration's drift, the Ray router)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
+    documented = set(re.findall(r"^\| `(kvserve:[a-z0-9_]+)`", page, flags=re.MULTILINE))
+    families = list(text_string_to_metric_families(httpx.get(server["base"] + "/metrics").text))
+    # (prometheus_client also writes each histogram's creation time as a family of its own)
+    exposed = {f.name for f in families if f.name.startswith("kvserve:") and not f.name.endswith("_created")}
+    assert exposed - documented == set(), "metrics missing from docs/monitoring.md"
+    conditional = re.compile(r"kvserve:(spec_decode_|config_|router_)")
+    assert {m for m in documented - exposed if not conditional.match(m)} == set(), "documented, never exposed"
+
+
 def test_logprobs_in_completion_and_chat(server: dict[str, Any]) -> None:
     client: openai.OpenAI = server["client"]
     completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
