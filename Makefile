@@ -29,7 +29,7 @@ lint: install
 
 # the user guide (mkdocs.yml): a broken link or anchor, or a page missing from the nav, fails
 docs: install
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
 
 test: lint docs
 	$(PY) -m pytest -q
