@@ -187,25 +187,22 @@ def main() -> None:
         profile_shared_prefix(args.dtype, not args.disable_cascade_attn)
         return
     sys.path.insert(0, os.path.dirname(__file__))
-    runs = []
-    for caching in (True, False):
-        generate = kvserve_generate(caching, args.dtype, not args.disable_cascade_attn)
+    runs: list[dict[str, Any]] = []
+    cascade = not args.disable_cascade_attn
+
+    def run_kvserve(engine: str, caching: bool, names: tuple[str, ...] = tuple(WORKLOADS), **engine_args: Any) -> None:
+        generate = kvserve_generate(caching, args.dtype, **engine_args)
         generate([[1, 2, 3]], 2)  # warm-up (kernel build, first-touch of the pool), not counted
-        runs.append({"engine": "kvserve", "caching": caching,
-                     "results": workloads(generate, caching, args.repeats)})
+        results = workloads(generate, caching, args.repeats, names)
+        runs.append({"engine": engine, "caching": caching, "results": results})
         print(json.dumps(runs[-1]), flush=True)
-    if not args.disable_cascade_attn:
-        generate = kvserve_generate(True, args.dtype, cascade=False)
-        generate([[1, 2, 3]], 2)
-        runs.append({"engine": "kvserve, no cascade", "caching": True,
-                     "results": workloads(generate, True, args.repeats, ("shared-prefix",))})
-        print(json.dumps(runs[-1]), flush=True)
+
+    for caching in (True, False):
+        run_kvserve("kvserve", caching, cascade=cascade)
+    if cascade:
+        run_kvserve("kvserve, no cascade", True, ("shared-prefix",), cascade=False)
     if args.quantization:
-        generate = kvserve_generate(True, args.dtype, not args.disable_cascade_attn, args.quantization)
-        generate([[1, 2, 3]], 2)
-        runs.append({"engine": f"kvserve, {args.quantization} weights", "caching": True,
-                     "results": workloads(generate, True, args.repeats)})
-        print(json.dumps(runs[-1]), flush=True)
+        run_kvserve(f"kvserve, {args.quantization} weights", True, cascade=cascade, quantization=args.quantization)
     if args.vllm_python:
         from throughput import export_hf_folder
 

@@ -654,19 +654,6 @@ struct Bf16Tile {
 constexpr int64_t kAmxMinRowsBf16 = 2, kAmxMinRowsInt8 = 8;
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
-// The first min(16, cols) of v into dst, rounded into T.
-template <typename T>
-static inline void store16(T* dst, __m512 v, int64_t cols) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (cols >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
-  } else if constexpr (std::is_same_v<T, float>) {
-    if (cols >= 16) return _mm512_storeu_ps(dst, v);
-  }
-  alignas(64) float values[16];
-  _mm512_store_ps(values, v);
-  from_float(values, dst, std::min<int64_t>(16, cols));
-}
-
 template <TileDot D, int MT, int NG, typename Sum>
 static inline void amx_sums(const char* a, int64_t a_stride, const char* b, int64_t group_bytes, int64_t steps,
                             Sum (*sums)[32]) {
@@ -712,17 +699,13 @@ static void amx_gemm(const typename Tile::Args& a, const void* x_rows, int64_t a
         else amx_sums<D, 1, 1>(rows, a_stride, b, group_bytes, steps, sums);
         memory_fence_for_tiles();
         for (int64_t i = 0; i < std::min<int64_t>(32, a.m - row); ++i) {
-          const auto value = [&](int j) {
+          const auto value = [&](int, int j) {
             if constexpr (std::is_same_v<Sum, float>) return Tile::result(a, _mm512_load_ps(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
             else return Tile::result(a, _mm512_load_si512(sums[i] + 16 * j), row + i, g * 16 + 16 * j);
           };
-          if (a.gated) {  // block_groups and the thread's range are whole pairs
-            store16(out + (row + i) * (a.n / 2) + g / 2 * 16, silu_mul16(value(0), value(1)), 16);
-          } else {
-            T* dst = out + (row + i) * a.n + g * 16;
-            store16(dst, value(0), a.n - g * 16);
-            if (pair) store16(dst + 16, value(1), a.n - g * 16 - 16);
-          }
+          // (gated: block_groups and the thread's range are whole pairs)
+          if (pair) store_any_tile<1, 2>(out, a.n, row + i, g, a.gated, value);
+          else store_any_tile<1, 1>(out, a.n, row + i, g, a.gated, value);
         }
       }
     }
