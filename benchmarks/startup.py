@@ -55,7 +55,9 @@ def measure(name: str, command: list[str], port: int, repeats: int, logs: Path,
     first_token_seconds(command, port, logs / f"{name}-warmup.log", env)
     runs = [first_token_seconds(command, port, logs / f"{name}-{i}.log", env) for i in range(repeats)]
     print(f"{name}: {', '.join(f'{s:.1f}' for s in runs)} s (median {statistics.median(runs):.1f} s)", flush=True)
-    return {"command": " ".join(command), "seconds": runs, "median_s": statistics.median(runs)}
+    # the interpreter by its name, not its path: a result file names no machine's folders
+    shown = [Path(command[0]).name, *command[1:]]
+    return {"command": " ".join(shown), "seconds": runs, "median_s": statistics.median(runs)}
 
 
 def main() -> None:
