@@ -1,6 +1,6 @@
 """Decode attention over a cold pool against this machine's sequential read bandwidth.
 
-    python benchmarks/decode_bandwidth.py --out docs/results/decode_bandwidth.json
+    python benchmarks/decode_bandwidth.py --out docs/results/decode_bandwidth_<machine>.json
     python benchmarks/decode_bandwidth.py --length 4096 --rounds 5   # the KV dtypes side by side
     python benchmarks/decode_bandwidth.py --rounds 5 --warm           # ... and each one's pool warm
 

@@ -1,7 +1,7 @@
 """The decode step per KV dtype at long context and high concurrency.
 
     python benchmarks/decode_step.py --kv-scales docs/results/smollm2_kv_scales.json \\
-        --out docs/results/decode_step_32x4096.json [--block-size 64] [--fill random] [--dtype float32]
+        --out docs/results/decode_step_<machine>.json [--block-size 64] [--fill random] [--dtype float32]
 
 One engine per KV dtype (bf16 model unless ``--dtype``, 2 threads, prefix caching off, memory for
 every sequence): ``--batch`` sequences of ``--context`` random prompt tokens are prefilled in every

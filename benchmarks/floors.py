@@ -1,7 +1,7 @@
 """The long-context workload at the rates of kvserve's own kernels.
 
     python benchmarks/floors.py --kv-cache-dtypes int4,int8,bf16 --block-size 32 \\
-        --results docs/results/long_context_session25.json --out docs/results/floors.json
+        --results docs/results/long_context_zen4.json --out docs/results/long_context_floors_zen4.json
 
 Counts the work of benchmarks/long_context.py's workload exactly, from its prompts and output
 lengths: linear-layer FLOPs (every prompt token, and every output token but the first, which the

@@ -1,6 +1,6 @@
 """``--quantization int8`` (W8A8 linear layers) against the bf16 (or ``--dtype float32``) model.
 
-    python benchmarks/int8_weights.py --out docs/results/int8_weights.json
+    python benchmarks/int8_weights.py --out docs/results/int8_weights_<machine>.json
 
 Both models are loaded and served by an engine each (2 threads, 2 GiB KV, 64 sequences, 2,048
 batched tokens), and measured in turn within every round, so that drift in the machine's speed

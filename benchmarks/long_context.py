@@ -3,7 +3,7 @@
 
     python benchmarks/long_context.py --kv-cache-dtypes auto,fp8_e4m3,int8,int4 \\
         --vllm-python ~/vllm-venv/bin/python --vllm-kv-cache-dtypes auto,fp8_e4m3 \\
-        --out docs/results/long_context.json [--kv-scales docs/results/smollm2_kv_scales.json]
+        --out docs/results/long_context_<machine>.json [--kv-scales docs/results/smollm2_kv_scales.json]
     python benchmarks/long_context.py --kv-cache-dtypes auto --profile 16   # where kvserve's time goes
 
 Workload (workloads.long_context): 64 requests of 2,000-6,000 random prompt token ids and

