@@ -159,6 +159,10 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default fraction of a GPU
+CPU_KV_CACHE_MEMORY = 4 << 30  # the CPU pool unless sized: RAM is shared with everything else on the host
+
+
 def machine_memory_bytes() -> int:
     """Physical RAM: the 'device memory' of a CPU run."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -222,8 +226,10 @@ class CacheConfig:
     block_size: int = knob(16, "tokens per KV block, a power of two 1..256 (default: %(default)s)")
     kv_cache_memory: int | str | None = knob(None, "KV pool size, e.g. 2GiB (overrides "
                                              "--gpu-memory-utilization)", kind=str)
-    gpu_memory_utilization: float = knob(0.9, "fraction of device memory for weights, activations and "
-                                         "the KV cache (CPU: of RAM) (default: %(default)s)")
+    gpu_memory_utilization: float | None = knob(
+        None, "fraction of device memory for weights, activations and the KV cache (CPU: of RAM); default: 0.9 "
+        "on a GPU; on CPU, unset, the pool is the smaller of 4 GiB and what --max-num-seqs sequences of "
+        "--max-model-len need", kind=float)
     device_memory: int | str | None = knob(None, "device memory to plan against, e.g. 24GB (default: "
                                            "this machine's)", kind=str)
     kv_cache_dtype: str = knob("auto", "auto (the model dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, "
@@ -260,7 +266,7 @@ class CacheConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.device_memory is not None:
             self.device_memory = parse_size(self.device_memory, "device_memory")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 

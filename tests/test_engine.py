@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,3 +160,23 @@ def test_emulated_16_bit_matmuls_are_announced(dtype: str, tiny_model_factory: C
     assert len(warned) == (0 if native else 1)
     if warned:
         assert dtype in warned[0] and "--dtype float32" in warned[0]
+
+
+def test_the_cpu_pool_takes_no_more_than_its_requests_can_fill(tiny_model_factory: Callable[..., Path]) -> None:
+    """Unsized on CPU, the pool is what max_num_seqs sequences of max_model_len fill (capped at
+    4 GiB), not 0.9 of the host's RAM; the start-up line says so. An explicit
+    gpu_memory_utilization still takes its fraction of RAM."""
+    path = str(tiny_model_factory("llama"))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("kvserve").addHandler(handler)
+    try:
+        llm = LLM(path, block_size=16, max_model_len=256, max_num_seqs=4)
+    finally:
+        logging.getLogger("kvserve").removeHandler(handler)
+    assert llm.engine.kv_stats().num_blocks == 4 * 256 // 16 + 1  # + the spare block; the null block apart
+    start_up = "\n".join(r.getMessage() for r in records)
+    assert "from the CPU default" in start_up and "max_num_seqs=4 sequences of max_model_len=256" in start_up
+    fraction = LLM(path, block_size=16, max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.05)
+    assert fraction.engine.kv_stats().num_blocks > 4 * 256 // 16 + 1

@@ -88,7 +88,11 @@ def still_serving(base: str) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "not supported"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "1"),
+    ("/v1/completions", {"prompt": "hi", "n": 200}, "n", "less than or equal to 128"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "use n"),
+    ("/v1/completions", {"prompt": ["hi", ""]}, "prompt", "prompt is empty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"49152": 5}}, "logit_bias",
+     "token id 49152 is outside the vocabulary [0, 49152)"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate", "unknown or unsupported field"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
@@ -112,6 +116,183 @@ def test_bad_requests_get_a_400_naming_the_field(api: dict[str, Any], path: str,
     still_serving(api["base"])
 
 
+def completion(base: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = post(base, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def stream_events(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=30) as s:
+        assert s.status_code == 200
+        lines = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_n_samples_equal_separately_seeded_requests_and_share_the_prompt(api: dict[str, Any]) -> None:
+    """n=3 with seed s: sample i equals a request of its own with seed s + i (vLLM's rule). The
+    samples after the first find the prompt's full blocks in the prefix cache (its 40 tokens:
+    2 blocks of 16 each), so the prompt is computed once and its blocks are held once."""
+    base = api["base"]
+    prompt = [7 + (i * 13) % 900 for i in range(40)]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    hits = httpx.get(base + "/v1/kv").json()["prefix_cache_hits"]
+    together = completion(base, {**body, "n": 3})
+    shared = httpx.get(base + "/v1/kv").json()["prefix_cache_hits"] - hits
+    assert shared == 2 * 32  # the two later samples, the prompt's 2 full blocks each
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    alone = [completion(base, {**body, "seed": 1234 + i})["choices"][0]["text"] for i in range(3)]
+    assert [c["text"] for c in together["choices"]] == alone
+    assert len(set(alone)) > 1  # the seeds differ, so do the samples
+    usage = together["usage"]
+    assert usage["prompt_tokens"] == 40 and usage["completion_tokens"] == 18
+    events = stream_events(base, "/v1/completions", {**body, "n": 3})
+    streamed = ["", "", ""]
+    finished = set()
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["text"]
+            if choice["finish_reason"] is not None:
+                finished.add(choice["index"])
+    assert streamed == alone and finished == {0, 1, 2}
+
+
+def test_a_list_of_prompts_gets_one_choice_per_prompt(api: dict[str, Any]) -> None:
+    base = api["base"]
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    for prompts in (["Hello there", "Another one", "A third prompt"], [[5, 6, 7, 8], [9, 10]]):
+        batch = completion(base, {**body, "prompt": prompts})
+        singles = [completion(base, {**body, "prompt": p}) for p in prompts]
+        assert [c["text"] for c in batch["choices"]] == [s["choices"][0]["text"] for s in singles]
+        assert [c["index"] for c in batch["choices"]] == list(range(len(prompts)))
+        assert batch["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    two = completion(base, {**body, "prompt": prompts[:2], "n": 2})  # choice i * n + j: sample j of prompt i
+    assert [c["text"] for c in two["choices"]] == [singles[0]["choices"][0]["text"]] * 2 + [
+        singles[1]["choices"][0]["text"]] * 2
+
+
+def test_usage_reports_cached_prompt_tokens(api: dict[str, Any]) -> None:
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache,
+    in a response and in a stream's usage chunk; with continuous_usage_stats every chunk has the
+    usage so far."""
+    base = api["base"]
+    prompt = [11 + (i * 7) % 800 for i in range(50)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first = completion(base, body)["usage"]
+    again = completion(base, body)["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == 48  # 3 full blocks of 16
+    events = stream_events(base, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == again
+    assert all("usage" not in e for e in events[:-1])
+    events = stream_events(base, "/v1/completions", {
+        **body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 4 and all(e["usage"]["prompt_tokens"] == 50 for e in events)
+
+
+def test_fields_that_cannot_change_the_output_are_accepted(api: dict[str, Any]) -> None:
+    """protocol.IGNORED_FIELDS, and an assistant turn with tool_calls in the history."""
+    base = api["base"]
+    chat = {"messages": [{"role": "user", "content": "What is 2+2?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "call_1", "type": "function",
+                              "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "4"}],
+            "max_tokens": 3, "temperature": 0}
+    plain = post(base, "/v1/chat/completions", chat)
+    assert plain.status_code == 200, plain.text
+    extras = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto", "user": "u-1",
+              "parallel_tool_calls": True}
+    r = post(base, "/v1/chat/completions", {**chat, **extras})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+def test_logprobs_carry_each_tokens_own_bytes(api: dict[str, Any], smollm: LoadedModel) -> None:
+    """Byte-level tokens (a piece of a multi-byte character) are reported by their own bytes,
+    never as U+FFFD, and top_logprobs has one entry per token (keys never collapse)."""
+    from kvserve.server.token_text import TokenText
+
+    base, text = api["base"], TokenText(smollm.tokenizer)
+    prompt = smollm.tokenizer.encode("日本語 — 東京 ✓", add_special_tokens=False)
+    byte_tokens = [t for t in prompt if text.text(t).startswith("bytes:")]
+    assert byte_tokens  # the prompt itself splits characters over tokens
+    r = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                                            "temperature": 0, "logprobs": True, "top_logprobs": 5,
+                                            "logit_bias": {str(byte_tokens[0]): 100}}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == text.text(byte_tokens[0]) and bytes(content[0]["bytes"]) == text.bytes_of(
+        byte_tokens[0])
+    assert "\ufffd" not in content[0]["token"]
+    for entry in content:
+        assert len({t["token"] for t in entry["top_logprobs"]}) == len(entry["top_logprobs"]) == 5
+    c = completion(base, {"prompt": "hi", "max_tokens": 12, "temperature": 0, "logprobs": 3,
+                          "logit_bias": {str(byte_tokens[0]): 100}})["choices"][0]["logprobs"]
+    assert c["tokens"][0] == text.text(byte_tokens[0])
+    assert all(len(top) == 3 for top in c["top_logprobs"])
+
+
+def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(api: dict[str, Any]) -> None:
+    """echo + logprobs + max_tokens 0 (loglikelihood scoring): the prompt's tokens come back with
+    their log-probabilities (the first None), each equal to what the model gives that token after
+    the tokens before it, and a second request for the same prompt (a prefix-cache hit) scores it
+    alike: such requests compute their whole prompt."""
+    base = api["base"]
+    prompt = [9 + (i * 31) % 700 for i in range(37)]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3, "temperature": 0}
+    first = completion(base, body)
+    (choice,) = first["choices"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == 37 and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None and all(len(t) == 3 for t in logprobs["top_logprobs"][1:])
+    assert first["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+    assert choice["text"] == post(base, "/detokenize", {"tokens": prompt}).json()["prompt"]
+    for k in (1, 20, 36):  # the distribution at position k is what a request for prompt[:k]'s next token sees
+        alone = completion(base, {"prompt": prompt[:k], "max_tokens": 1, "temperature": 0, "logprobs": 3})
+        top = alone["choices"][0]["logprobs"]["top_logprobs"][0]
+        assert top.keys() == logprobs["top_logprobs"][k].keys()
+        assert list(top.values()) == pytest.approx(list(logprobs["top_logprobs"][k].values()), abs=2e-3)
+    again = completion(base, body)
+    assert again["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(logprobs["token_logprobs"][1:],
+                                                                                  abs=1e-5)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed again, as promised
+    vllm_style = completion(base, {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1, "temperature": 0})
+    entries = vllm_style["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 37
+    assert entries[5][str(prompt[5])]["logprob"] == pytest.approx(logprobs["token_logprobs"][5], abs=1e-5)
+    assert vllm_style["usage"]["completion_tokens"] == 2
+    r = post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens=0" in r.json()["error"]["message"]
+    r = post(base, "/v1/completions", {"prompt": "hi", "echo": True, "stream": True})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_an_oversized_body_gets_a_413_not_a_reset(api: dict[str, Any]) -> None:
+    """A client that sends 5 MiB (over the 4 MiB limit) reads the 413 and its error body, with
+    a declared length and chunked; the server keeps serving."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"prompt": "x" * (5 * 1024 * 1024)}).encode()
+    request = urllib.request.Request(api["base"] + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=30)
+    assert error.value.code == 413
+    assert "exceeds the limit" in json.loads(error.value.read())["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(body), 1 << 20):
+            yield body[start:start + (1 << 20)]
+
+    r = httpx.post(api["base"] + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413 and "more than 4194304 bytes" in r.json()["error"]["message"]
+    still_serving(api["base"])
+
+
 def test_content_parts_are_joined(api: dict[str, Any]) -> None:
     """vLLM's bench client and many SDKs send content as a list of text parts."""
     base = api["base"]
@@ -121,6 +302,8 @@ def test_content_parts_are_joined(api: dict[str, Any]) -> None:
         "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}],
         "max_tokens": 4, "temperature": 0}).json()
     assert parts["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    for usage in (parts["usage"], plain["usage"]):
+        usage.pop("prompt_tokens_details")  # the second request finds the first one's blocks
     assert parts["usage"] == plain["usage"]
 
 

@@ -158,9 +158,8 @@ class Ingress:
                 chat = ChatCompletionRequest.model_validate(json.loads(body))
                 ids = chat_token_ids(self.tokenizer, chat.chat(), chat.add_generation_prompt)
             else:
-                prompt = CompletionRequest.model_validate(json.loads(body)).prompt
-                ids = (list(self.tokenizer.encode(prompt)) if isinstance(prompt, str)
-                       else [t for t in prompt if isinstance(t, int)])
+                prompt = CompletionRequest.model_validate(json.loads(body)).prompts()[0]  # a batch: its first
+                ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         except Exception:  # any invalid body: the replica's validation names the problem
             return ()
         return tuple(prompt_block_hashes(ids, self.block_size))

@@ -15,7 +15,7 @@ import torch
 
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_layer import KVWriteIndex, LayerKV, TailPlan
-from kvserve.engine.sampling import SampleResult, TokenHistory, sample
+from kvserve.engine.sampling import SampleResult, TokenHistory, sample, token_logprobs
 from kvserve.engine.spec_decode import verify
 from kvserve.engine.step_plan import ScheduledChunk
 from kvserve.model.attention import (
@@ -41,6 +41,7 @@ def one_query_per_token(chunk: ScheduledChunk) -> bool:
 # (benchmarks/cascade_kernel.py: bf16, 9/3 heads of 64, 2 threads): below these the extra work
 # costs more than the reads saved (12 x 256: 0.78x; 24 x 512: 1.19x; 32 x 992: 1.56x).
 CASCADE_MIN_BATCH = 12
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions per LM-head call (256 x a 49k vocabulary: 48 MiB of logits)
 CASCADE_MIN_READS = 12288
 
 
@@ -218,6 +219,7 @@ class ModelRunner:
         """Run one step. Returns each chunk that sampled (in batch order) with its tokens: one, or
         for a chunk carrying drafts, the accepted drafts and the target's next token (verify)."""
         ordered, hidden = self.forward(chunks)
+        self._record_prompt_logprobs(ordered, hidden)
         logit_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
         row = 0
@@ -252,6 +254,27 @@ class ModelRunner:
                 results[i] = verify(logits[starts[i] : starts[i + 1]], chunk.draft_token_ids,
                                     request.params, request.generator, None if history is None else history[i])
         return [(chunk, result) for chunk, result in zip(sampled, results, strict=True) if result is not None]
+
+    def _record_prompt_logprobs(self, ordered: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """For requests that ask (params.prompt_logprobs): each prompt token's log-probability
+        given the ones before it, from the hidden states of this step's prefill chunk. Positions
+        a recompute (after preemption) runs again were recorded already and are skipped."""
+        row = 0
+        for chunk in ordered:
+            request, n = chunk.request, chunk.request.params.prompt_logprobs
+            start = request.num_computed_tokens
+            first = max(start, len(request.prompt_logprobs))
+            last = min(start + chunk.num_tokens, request.num_prompt_tokens - 1)  # position p scores token p + 1
+            row += chunk.num_tokens
+            if n is None:
+                continue
+            for at in range(first, last, PROMPT_LOGPROBS_ROWS):
+                end = min(at + PROMPT_LOGPROBS_ROWS, last)
+                base = row - chunk.num_tokens - start  # the chunk's first row, less its first position
+                logits = self.model.compute_logits(hidden[base + at : base + end])
+                chosen, top = token_logprobs(logits, request.prompt_token_ids[at + 1 : end + 1], [n] * (end - at))
+                request.prompt_logprobs += chosen
+                request.prompt_top_logprobs += top
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:

@@ -28,6 +28,9 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None
     num_preemptions: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # params.prompt_logprobs: one per prompt token (the first None: nothing precedes it)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -143,5 +146,8 @@ class OutputProcessor:
             top_logprobs=list(request.output_top_logprobs) if want_logprobs else None,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=None if request.params.prompt_logprobs is None else [None, *request.prompt_logprobs],
+            prompt_top_logprobs=None if request.params.prompt_logprobs is None
+            else [None, *request.prompt_top_logprobs],
             metrics=metrics,
         )

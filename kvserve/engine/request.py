@@ -48,6 +48,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: prompt token i's log-probability given the tokens before it (from i = 1)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top-n
+    # the prompt tokens' log-probabilities (vLLM's prompt_logprobs): None: none; n: each token's
+    # own and the top n at its position. Such a request computes its whole prompt (no prefix hits).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
@@ -64,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -226,14 +231,21 @@ def with_logprobs(raw: torch.Tensor, tokens: list[int], params: list[SamplingPar
     each row's request asks for."""
     if not any(p.logprobs is not None for p in params):
         return SampleResult(tokens, None, None)
-    logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+    chosen, top = token_logprobs(raw, tokens, [p.logprobs or 0 for p in params])
+    return SampleResult(tokens, chosen, top)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]
+                   ) -> tuple[list[float], list[dict[int, float]]]:
+    """Row i's log-probability of ``tokens[i]`` and its ``top_n[i]`` most likely tokens, under
+    the distribution ``logits`` [N, vocab] gives."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     top: list[dict[int, float]] = []
-    for i, p in enumerate(params):
-        n = p.logprobs or 0
+    for i, n in enumerate(top_n):
         if n:
             values, ids = logprobs[i].topk(n)
             top.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
         else:
             top.append({})
-    return SampleResult(tokens, chosen, top)
+    return chosen, top

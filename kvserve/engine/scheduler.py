@@ -131,7 +131,7 @@ class Scheduler:
             self._order_by_cached_prefix()
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
+            cached = self._cached_prefix(request)
             computed = cached.num_blocks * self.kv.block_size
             n = min(request.num_tokens - computed, budget)
             if self.reserve_full_prompt and self.running and not self._prompt_fits(request, cached):
@@ -152,6 +152,13 @@ class Scheduler:
             budget -= n
         return self._plan(chunks, victims)
 
+    def _cached_prefix(self, request: Request) -> CachedPrefix:
+        """Where the request may start: its longest cached prefix, none for a request that asks for
+        its prompt's log-probabilities (they come from computing the prompt, as in vLLM)."""
+        if request.params.prompt_logprobs is not None:
+            return self.kv.find_cached_prefix(request.request_id, 1, request.token_ids)  # nothing: 1 token
+        return self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
+
     def _prompt_fits(self, request: Request, cached: CachedPrefix) -> bool:
         """Admission control: the pool holds the request's whole prompt besides what the running
         requests still take to finish theirs and one block each to keep decoding. Admitting on
@@ -166,7 +173,7 @@ class Scheduler:
         """lpm: longest cached prefix first (stable, so arrival order among equals); requests
         passed over max_skips times go first of all, in arrival order."""
         def cached_tokens(request: Request) -> int:
-            hits = self.kv.find_cached_prefix(request.request_id, request.num_tokens, request.token_ids)
+            hits = self._cached_prefix(request)
             return hits.num_blocks * self.kv.block_size
 
         starving = sorted((r for r in self.waiting if r.num_skips >= self.max_skips), key=lambda r: r.arrival_seq)

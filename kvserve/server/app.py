@@ -7,12 +7,14 @@ disturbs the others."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import itertools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -33,6 +35,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     chat_messages,
 )
+from kvserve.server.token_text import TokenText
 from kvserve.tune.drift import TunedWorkload
 
 
@@ -48,6 +51,9 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+DRAIN_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
 
 
 @dataclass(slots=True)
@@ -119,6 +125,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     # The engine thread owns the engine's tokenizer (it detokenizes every step); handlers run on
     # the event loop's thread and use a copy of their own: fast tokenizers are not thread-safe.
     tokenizer = copy.deepcopy(engine.engine.tokenizer)
+    token_text = TokenText(tokenizer)
     max_model_len = engine.engine.max_model_len
 
     @app.exception_handler(APIError)
@@ -135,13 +142,32 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Response:
+        """Bodies over max_body_bytes get a 413, read no further than the limit (a chunked upload
+        too). What the client is still sending is read and dropped, up to a bound, so that it sees
+        the 413 rather than a reset connection."""
+        limit = config.max_body_bytes
         length = request.headers.get("content-length")
-        size = int(length) if length and length.isdigit() else len(await request.body())
-        if size > config.max_body_bytes:
-            return APIError(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}"
-                            ).response()
-        response: Response = await call_next(request)
-        return response
+        size = int(length) if length and length.isdigit() else 0
+        chunks = request.stream()
+        if size <= limit:
+            body = bytearray()
+            async for chunk in chunks:
+                body += chunk
+                if len(body) > limit:
+                    break
+            else:
+                request._body = bytes(body)  # what call_next hands the route (starlette's cached body)
+                response: Response = await call_next(request)
+                return response
+            size = len(body)
+        drained = 0
+        async for chunk in chunks:
+            drained += len(chunk)
+            if drained > DRAIN_BYTES:
+                break
+        shown = f"{size} bytes" if length else f"more than {limit} bytes"
+        return APIError(413, f"request body of {shown} exceeds the limit of {limit}",
+                        headers={"Connection": "close"}).response()
 
     def check_auth(request: Request) -> None:
         if config.api_key is not None and request.headers.get("authorization") != f"Bearer {config.api_key}":
@@ -153,14 +179,18 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"model {model!r} does not exist; this server serves {config.model_name!r}",
                            param="model", code="model_not_found")
 
-    def engine_params(body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, chat: bool
-                      ) -> SamplingParams:
-        """Checks that need the prompt or the server's limits, then the engine's parameters."""
+    def request_max_tokens(body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, chat: bool) -> int:
+        """Checks that need the prompt or the server's limits; the max_tokens each choice gets."""
         wanted = body.logprobs_wanted()
         if wanted is not None and wanted > config.max_logprobs:
             param = "top_logprobs" if chat else "logprobs"
             raise APIError(400, f"{param}={wanted} is more than the server's max_logprobs={config.max_logprobs}",
                            param=param)
+        vocab = engine.engine.model_config.vocab_size
+        outside = [key for key in body.logit_bias or {} if int(key) >= vocab]
+        if outside:
+            raise APIError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
         room = max_model_len - prompt_tokens
         if room < 1:
             raise APIError(400, f"prompt has {prompt_tokens} tokens, more than max_model_len={max_model_len} "
@@ -177,10 +207,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         elif requested is not None and requested > room:
             raise APIError(400, f"{param}={requested} is more than the {room} tokens left after the prompt's "
                            f"{prompt_tokens} tokens in max_model_len={max_model_len}", param=param)
-        # OpenAI's defaults: 16 for completions, as much as fits for chat
-        max_tokens = requested if requested is not None else (room if chat else min(16, room))
-        try:
-            return body.sampling_params(max_tokens)
+        # OpenAI's defaults: 16 for completions, as much as fits for chat (0: the prompt is only scored)
+        return requested if requested is not None else (room if chat else min(16, room))
+
+    def choice_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int
+                      ) -> SamplingParams:
+        try:  # a prompt only scored (max_tokens 0) still runs to its first token; the response drops it
+            return body.sampling_params(max(max_tokens, 1), choice)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -227,16 +260,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
-        prompt = body.prompt
-        # after validation: one text or one list of token ids
-        token_ids = _encode(prompt) if isinstance(prompt, str) else [t for t in prompt if isinstance(t, int)]
-        return await _serve(body, token_ids, engine_params(body, len(token_ids), chat=False), chat=False)
+        texts = body.prompts()
+        prompts = [_encode(p) if isinstance(p, str) else list(p) for p in texts]
+        echoed = [p if isinstance(p, str) else _decode(p) for p in texts] if body.echo else None
+        return await _serve(body, prompts, [request_max_tokens(body, len(p), chat=False) for p in prompts],
+                            chat=False, echoed=echoed)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         token_ids = _chat_tokens(body.chat(), body.add_generation_prompt)
-        return await _serve(body, token_ids, engine_params(body, len(token_ids), chat=True), chat=True)
+        return await _serve(body, [token_ids], [request_max_tokens(body, len(token_ids), chat=True)], chat=True)
 
     @app.post("/tokenize")  # like vLLM, outside /v1: not behind --api-key
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -259,23 +293,44 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "this model has no tokenizer")
         return {"prompt": str(tokenizer.decode(body.tokens))}
 
-    def _piece(token: int) -> str:
-        return str(tokenizer.decode([token])) if tokenizer is not None else str(token)
-
-    def _logprobs(out: RequestOutput, start: int, chat: bool) -> dict[str, Any] | None:
-        """OpenAI logprobs for the output tokens from ``start`` on (None unless asked for)."""
+    def _logprobs(out: RequestOutput, start: int, chat: bool, echo: list[int] | None = None) -> dict[str, Any] | None:
+        """OpenAI logprobs for the output tokens from ``start`` on (None unless asked for): each
+        token by its own bytes (token_text), one top_logprobs entry per token. ``echo``: the
+        prompt's tokens (with out's prompt log-probabilities) go before the output's."""
         if out.logprobs is None:
             return None
-        tokens, chosen = out.token_ids[start:], out.logprobs[start:]
-        tops = (out.top_logprobs or [])[start:] or [{} for _ in tokens]
+        tokens, chosen = out.token_ids[start:], list[float | None](out.logprobs[start:])
+        tops = list[dict[int, float] | None]((out.top_logprobs or [])[start:] or [{} for _ in tokens])
+        text, raw = token_text.text, token_text.bytes_of
         if chat:
             return {"content": [
-                {"token": _piece(t), "logprob": lp, "bytes": list(_piece(t).encode()),
-                 "top_logprobs": [{"token": _piece(k), "logprob": v, "bytes": list(_piece(k).encode())}
-                                  for k, v in top.items()]}
+                {"token": text(t), "logprob": lp, "bytes": list(raw(t)),
+                 "top_logprobs": [{"token": text(k), "logprob": v, "bytes": list(raw(k))}
+                                  for k, v in (top or {}).items()]}
                 for t, lp, top in zip(tokens, chosen, tops, strict=False)]}
-        return {"tokens": [_piece(t) for t in tokens], "token_logprobs": chosen,
-                "top_logprobs": [{_piece(k): v for k, v in top.items()} for top in tops]}
+        if echo is not None:
+            tokens, chosen = echo + tokens, list(out.prompt_logprobs or [None] * len(echo)) + chosen
+            tops = list(out.prompt_top_logprobs or [None] * len(echo)) + tops
+        pieces = [text(t) for t in tokens]
+        offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))[:-1]
+        return {"tokens": pieces, "token_logprobs": chosen, "text_offset": offsets,
+                "top_logprobs": [None if top is None else {text(k): v for k, v in top.items()} for top in tops]}
+
+    def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs: per prompt token (the first None), its own log-probability and
+        the top n at its position, keyed by token id."""
+        if out.prompt_logprobs is None:
+            return None
+        entries: list[dict[str, dict[str, Any]] | None] = [None]
+        tops = (out.prompt_top_logprobs or [])[1:]
+        for token, lp, top in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], tops, strict=False):
+            entry = {str(k): {"logprob": v, "decoded_token": token_text.text(k)} for k, v in (top or {}).items()}
+            entry[str(token)] = {"logprob": lp, "decoded_token": token_text.text(token)}
+            entries.append(entry)
+        return entries
+
+    def _decode(token_ids: list[int]) -> str:
+        return str(tokenizer.decode(token_ids)) if tokenizer is not None else ""
 
     def _encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if tokenizer is None:
@@ -292,9 +347,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return _encode(text, add_special_tokens=False)  # as LLM.chat does: the template has its own BOS
 
-    async def _serve(body: CompletionRequest | ChatCompletionRequest, token_ids: list[int], params: SamplingParams,
-                     chat: bool) -> Response:
-        stream = body.stream
+    async def _start(index: int, token_ids: list[int], params: SamplingParams, stream: bool) -> _Choice:
         try:
             request_id, outputs = await engine.generate(token_ids, params, stream=stream,
                                                         max_waiting=config.max_waiting)
@@ -304,72 +357,180 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             message = str(exc)
             param = getattr(exc, "param", None) or ("prompt" if "prompt" in message else None)
             raise APIError(400, message, param=param) from exc
-        created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        if stream:
-            return StreamingResponse(
-                _sse(request_id, outputs, rid, created, chat, include_usage, len(token_ids)),
-                media_type="text/event-stream")
-        final: RequestOutput | None = None
-        try:
-            async for out in outputs:
-                final = out
-        finally:
-            if final is None or not final.finished:
-                engine.abort(request_id)
-        assert final is not None
-        usage = _usage(len(token_ids), len(final.token_ids))
-        logprobs = _logprobs(final, 0, chat)
-        if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                                      "logprobs": logprobs, "finish_reason": final.finish_reason}
-        else:
-            choice = {"index": 0, "text": final.text, "logprobs": logprobs, "finish_reason": final.finish_reason}
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": config.model_name, "choices": [choice], "usage": usage})
+        return _Choice(index, request_id, outputs)
 
-    async def _sse(request_id: str, outputs: AsyncIterator[RequestOutput], rid: str, created: int, chat: bool,
-                   include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    async def _submit(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                      max_tokens: list[int]) -> list[_Choice]:
+        """One engine request per choice: choice i * n + j is sample j of prompt i. With prefix
+        caching on, a prompt's first sample runs its prefill alone, and its n - 1 siblings start
+        once it has sampled a token: they find the prompt's blocks in the prefix cache and hold
+        them with it (computing only the last, partly filled block), as vLLM's v1 engine shares
+        a parallel-sampling prompt."""
+        n = body.n
+        share = n > 1 and engine.engine.config.cache_config.enable_prefix_caching
+        choices: list[_Choice] = []
+        try:
+            for i, (ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+                for j in range(1 if share else n):
+                    choices.append(await _start(i * n + j, ids, choice_params(body, limit, j), body.stream or share))
+            if share:
+                for lead, ids, limit in zip(list(choices), prompts, max_tokens, strict=True):
+                    first = await anext(lead.outputs, None)
+                    if first is not None:
+                        lead.taken.append(first)
+                    for j in range(1, n):
+                        choices.append(await _start(lead.index + j, ids, choice_params(body, limit, j), body.stream))
+        except BaseException:
+            for choice in choices:
+                engine.abort(choice.request_id)
+            raise
+        return sorted(choices, key=lambda c: c.index)
+
+    async def _serve(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                     max_tokens: list[int], chat: bool, echoed: list[str] | None = None) -> Response:
+        """``echoed``: completions' echo, each prompt's text to put before its choices' text."""
+        choices = await _submit(body, prompts, max_tokens)
+        created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        scored_only = body.requested_max_tokens() == 0
+        usage = _Usage(prompts, body.n, scored_only)
+        if body.stream:
+            options = body.stream_options
+            include_usage = options is not None and options.include_usage
+            continuous = include_usage and options is not None and options.continuous_usage_stats
+            return StreamingResponse(_sse(choices, rid, created, chat, usage, include_usage, continuous,
+                                          body.prompt_logprobs is not None), media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, out in _merged(choices):
+                if out.finished:
+                    finals[index] = out
+        finally:
+            for choice in choices:
+                if choice.index not in finals:
+                    engine.abort(choice.request_id)
+        answers: list[dict[str, Any]] = []
+        for index, final in sorted(finals.items()):
+            usage.update(index, final)
+            if scored_only:
+                final = replace(final, token_ids=[], text="", logprobs=None if final.logprobs is None else [],
+                                top_logprobs=None if final.top_logprobs is None else [], finish_reason="length")
+            prompt = prompts[index // body.n]
+            logprobs = _logprobs(final, 0, chat, echo=prompt if echoed is not None else None)
+            if chat:
+                answers.append({"index": index, "message": {"role": "assistant", "content": final.text},
+                                "logprobs": logprobs, "finish_reason": final.finish_reason})
+            else:
+                text = final.text if echoed is None else echoed[index // body.n] + final.text
+                answers.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": final.finish_reason})
+            if body.prompt_logprobs is not None:
+                answers[-1]["prompt_logprobs"] = _prompt_logprobs(final)
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": config.model_name, "choices": answers,
+                             "usage": usage.body()})
+
+    async def _sse(choices: list[_Choice], rid: str, created: int, chat: bool, usage: _Usage,
+                   include_usage: bool, continuous: bool, body_prompt_logprobs: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        def chunk(parts: list[dict[str, Any]], with_usage: bool = False) -> str:
             data: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": config.model_name,
-                                    "choices": choices}
-            if usage is not None:
-                data["usage"] = usage
+                                    "choices": parts}
+            if with_usage:
+                data["usage"] = usage.body()
             return f"data: {json.dumps(data)}\n\n"
 
-        finished = False
-        generated = 0
+        finished: set[int] = set()
+        scored: set[int] = set()  # choices whose prompt_logprobs went out (with their first chunk)
+        sent = {choice.index: 0 for choice in choices}  # output tokens whose logprobs went out already
         try:
             if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            sent = 0  # output tokens whose logprobs went out already
-            async for out in outputs:
-                generated = len(out.token_ids)
-                finished = out.finished
-                if not out.new_text and not finished:
+                for choice in choices:
+                    yield chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}], continuous)
+            async for index, out in _merged(choices):
+                usage.update(index, out)
+                if out.finished:
+                    finished.add(index)
+                if not out.new_text and not out.finished:
                     continue
-                delta: dict[str, Any] = {"content": out.new_text} if chat else {}
-                choice: dict[str, Any] = {"index": 0, "logprobs": _logprobs(out, sent, chat),
-                                          "finish_reason": out.finish_reason if finished else None}
-                sent = generated
-                choice.update({"delta": delta} if chat else {"text": out.new_text})
-                yield chunk([choice])
+                part: dict[str, Any] = {"index": index, "logprobs": _logprobs(out, sent[index], chat),
+                                        "finish_reason": out.finish_reason if out.finished else None}
+                if body_prompt_logprobs and index not in scored:
+                    part["prompt_logprobs"] = _prompt_logprobs(out)
+                    scored.add(index)
+                sent[index] = len(out.token_ids)
+                part.update({"delta": {"content": out.new_text}} if chat else {"text": out.new_text})
+                yield chunk([part], continuous)
             if include_usage:
-                yield chunk([], _usage(prompt_tokens, generated))
+                yield chunk([], with_usage=True)
         except EngineDeadError as exc:  # the status line went out already: report it in the stream
             yield f"data: {json.dumps(_engine_dead(exc).body())}\n\n"
         else:
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away: free its blocks at the next step
-                engine.abort(request_id)
+            for choice in choices:
+                if choice.index not in finished:  # the client went away: free its blocks at the next step
+                    engine.abort(choice.request_id)
 
     return app
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+@dataclass(slots=True)
+class _Choice:
+    """One engine request behind one choice of a response."""
+
+    index: int
+    request_id: str
+    outputs: AsyncIterator[RequestOutput]
+    taken: list[RequestOutput] = field(default_factory=list)  # read before the response started
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every choice's outputs as they come, tagged with its index, until each has finished."""
+    arrived: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(choice: _Choice) -> None:
+        try:
+            for out in choice.taken:
+                arrived.put_nowait((choice.index, out))
+            async for out in choice.outputs:
+                arrived.put_nowait((choice.index, out))
+        except Exception as exc:  # EngineDeadError: the merged stream raises it
+            arrived.put_nowait((choice.index, exc))
+
+    pumps = [asyncio.create_task(pump(choice)) for choice in choices]
+    remaining = len(choices)
+    try:
+        while remaining:
+            index, item = await arrived.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield index, item
+            remaining -= item.finished
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+class _Usage:
+    """OpenAI's usage of a response: each prompt counted once (its n samples share it), every
+    choice's tokens, and prompt_tokens_details.cached_tokens: the prompt tokens each prompt's
+    first sample found in the prefix cache (its siblings' hits are the sharing, not reuse)."""
+
+    def __init__(self, prompts: list[list[int]], n: int, scored_only: bool = False) -> None:
+        self.n, self.scored_only = n, scored_only
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.completion: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def update(self, index: int, out: RequestOutput) -> None:
+        self.completion[index] = 0 if self.scored_only else len(out.token_ids)
+        if index % self.n == 0:
+            self.cached[index] = out.num_cached_tokens
+
+    def body(self) -> dict[str, Any]:
+        completion = sum(self.completion.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}

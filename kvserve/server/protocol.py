@@ -2,8 +2,9 @@
 them: validation, error messages and /openapi.json all come from here.
 
 Every field a client may send is declared. An unknown field is rejected, and so is a known
-field the server cannot honour (``n > 1``, ``tools``, a ``response_format`` other than text,
-``echo``, ``suffix``): nothing is ignored silently. Strings must be valid Unicode (a lone
+field the server cannot honour (``tools``, a ``response_format`` other than text, ``suffix``,
+``best_of``, ``echo`` with ``stream``); the fields that cannot change the output (``IGNORED_FIELDS``) are
+accepted and ignored. Nothing else is ignored silently. Strings must be valid Unicode (a lone
 UTF-16 surrogate such as ``"\\ud800"`` is rejected), numbers finite.
 """
 
@@ -30,6 +31,14 @@ TokenId = Annotated[int, Field(ge=0)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+MAX_N = 128  # choices per prompt (n): each is an engine request of its own
+
+# accepted, and cannot change what is generated: bookkeeping for the client's side (OpenAI's
+# stored completions, metadata, end-user ids, service tiers) or a tool-calling preference that only
+# matters with tools
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "parallel_tool_calls")
 
 
 class StreamOptions(_Strict):
@@ -60,16 +69,21 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
-    n: int = Field(1, description="only n=1 is supported")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    service_tier: Text | None = None
     # kvserve's extra: this request's KV eviction (within the server's kv_window, keeping at least
     # its kv_compression_ratio)
     kv_eviction: Literal["none", "streaming", "snapkv"] | None = None
     kv_window: Annotated[int, Field(ge=1)] | None = None
     kv_sink_tokens: Annotated[int, Field(ge=0)] | None = None
     kv_compression_ratio: Annotated[float, Field(gt=0, le=1)] | None = None
+    # vLLM's extra: the prompt tokens' log-probabilities (the top n besides each token's own)
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("seed")
     @classmethod
@@ -77,13 +91,6 @@ class _Sampling(_Strict):
         if seed is not None and not -(2**63) <= seed < 2**64:
             raise ValueError("seed must fit in 64 bits")
         return seed
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -110,38 +117,66 @@ class _Sampling(_Strict):
     def logprobs_wanted(self) -> int | None:
         raise NotImplementedError
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters (OpenAI defaults: temperature 1, top_p 1)."""
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs
+
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for the ``choice``-th of n samples (OpenAI defaults:
+        temperature 1, top_p 1). As in vLLM, sample i of a seeded request is seeded seed + i, so
+        it equals a request of its own sent with that seed."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
+            min_p=self.min_p or 0.0, seed=None if self.seed is None else self.seed + choice,
+            max_tokens=max_tokens, stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_wanted(), include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            prompt_logprobs=self.prompt_logprobs_wanted(),
             min_tokens=min(self.min_tokens, max_tokens), kv_eviction=self.kv_eviction, kv_window=self.kv_window,
             kv_sink_tokens=self.kv_sink_tokens, kv_compression_ratio=self.kv_compression_ratio)
 
 
 class CompletionRequest(_Sampling):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    # 0 with echo: score the prompt only (lm-evaluation-harness's loglikelihood requests)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0)] | None = None
-    echo: Literal[False] = Field(False, description="echo is not supported")
+    echo: bool = False
     suffix: None = Field(None, description="suffix is not supported")
-    best_of: Literal[1] | None = Field(None, description="only best_of=1 is supported")
+    best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("best_of is not supported (vLLM's v1 engine dropped it too); use n")
+        return best_of
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
+    def _prompts_not_empty(self) -> CompletionRequest:
+        if not self.prompt or any(not p for p in self.prompts()):
+            raise ValueError("prompt is empty")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
+        if self.max_tokens == 0 and (self.stream or not (self.echo or self.prompt_logprobs is not None)):
+            raise ValueError("max_tokens=0 scores the prompt: it needs echo or prompt_logprobs, without stream")
+        return self
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs reports the prompt's tokens as the output's, at the same top n."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (one choice per prompt, in order)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(f"one prompt per request is supported, got a batch of {len(prompt)}")
-            self.prompt = prompt[0]
-        if not self.prompt:
-            raise ValueError("prompt is empty")
-        return self
+            return list(prompt)
+        return [prompt]  # type: ignore[list-item]
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -157,6 +192,7 @@ class ChatMessage(_Strict):
     content: Text | list[dict[str, Any]] | None = None
     name: Text | None = None
     tool_call_id: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools, in the history
 
     @field_validator("content")
     @classmethod
@@ -182,6 +218,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = Field(None, description="tools are not supported: only an empty list")
     tool_choice: Literal["none"] | None = Field(None, description="tools are not supported")
     add_generation_prompt: bool = True
+    parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
     @classmethod
