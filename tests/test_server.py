@@ -300,3 +300,51 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Any) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_what_the_openai_sdk_asks_of_the_real_model(server: dict[str, Any]) -> None:
+    """The official client against SmolLM2: n=3 seeded samples, a pydantic model through
+    response_format (the reply parses and validates), a tool-call round trip, and a stream's
+    usage with the prompt tokens the prefix cache served."""
+    import pydantic
+
+    client: openai.OpenAI = server["client"]
+    messages = [{"role": "user", "content": "Describe a cat in one short sentence."}]
+    three = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=12, temperature=0.9,
+                                           seed=11)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=12)
+    assert three.choices[1].message.content == alone.choices[0].message.content  # sample 1 is seeded 11 + 1
+
+    class Pet(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        legs: int = pydantic.Field(ge=0, le=8)
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Invent a pet."}],
+                                           response_format=Pet, max_tokens=60, temperature=0)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
+
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string", "maxLength": 20}},
+                                                 "required": ["city"], "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, messages=ask, tools=[tool], tool_choice="required",
+                                           max_tokens=40, temperature=0)
+    assert first.choices[0].finish_reason == "tool_calls"
+    (call,) = first.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    follow = [*ask, first.choices[0].message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    second = client.chat.completions.create(model=MODEL, messages=follow, tools=[tool], max_tokens=16, temperature=0)
+    assert second.choices[0].message.content and second.choices[0].finish_reason in ("stop", "length")
+
+    prompt = "Here is a long shared preamble. " * 8 + "Answer:"
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    usage = None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 16 * 16

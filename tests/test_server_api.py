@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,10 +85,10 @@ def still_serving(base: str) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content", "'image_url' is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format.type", "json_object"),
+                              "response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "not supported"),
+                              "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type",
+     "'function'"),
     ("/v1/completions", {"prompt": "hi", "n": 200}, "n", "less than or equal to 128"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "use n"),
     ("/v1/completions", {"prompt": ["hi", ""]}, "prompt", "prompt is empty"),
@@ -267,6 +268,100 @@ def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(api: dict[str, Any
     assert r.status_code == 400 and "max_tokens=0" in r.json()["error"]["message"]
     r = post(base, "/v1/completions", {"prompt": "hi", "echo": True, "stream": True})
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+         "required": ["color", "ok"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
+                                                "required": ["city", "celsius"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def chat(base: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
+                                            **body})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_structured_output_follows_the_schema_even_from_random_weights(api: dict[str, Any]) -> None:
+    """A random-weight model constrained by response_format (json_schema, json_object) and vLLM's
+    structured_outputs (choice, regex): every output parses and validates."""
+    import jsonschema
+
+    base = api["base"]
+    for seed in range(3):
+        body = {"temperature": 1.0, "seed": seed,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR}}}
+        content = chat(base, body)["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), COLOR)
+    anything = chat(base, {"temperature": 0, "response_format": {"type": "json_object"}, "max_tokens": 90})
+    choice = anything["choices"][0]
+    if choice["finish_reason"] == "stop":  # a free object may run past max_tokens
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:
+        assert choice["message"]["content"].startswith("{")
+    picked = completion(base, {"prompt": "Yes or no?", "max_tokens": 8, "temperature": 1.0, "seed": 1,
+                               "structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert picked["choices"][0]["text"] in ("yes", "no", "maybe")
+    code = completion(base, {"prompt": "Code:", "max_tokens": 8, "temperature": 1.0,
+                             "structured_outputs": {"regex": "[0-9]{3}-[A-Z]{2}"}})["choices"][0]["text"]
+    assert re.fullmatch("[0-9]{3}-[A-Z]{2}", code), code
+
+
+def test_tool_calls_come_back_in_openais_shape(api: dict[str, Any]) -> None:
+    """tool_choice required and named force valid calls (finish_reason tool_calls, arguments
+    that validate); a stream sends them whole in one delta; a conversation carrying the calls
+    and the tool's answer continues."""
+    import jsonschema
+
+    base = api["base"]
+    required = chat(base, {"tools": [WEATHER, CLOCK], "tool_choice": "required", "temperature": 0})["choices"][0]
+    assert required["finish_reason"] == "tool_calls" and required["message"]["content"] is None
+    for call in required["message"]["tool_calls"]:
+        spec = {"get_weather": WEATHER, "get_time": CLOCK}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), spec["function"]["parameters"])
+        assert call["type"] == "function" and call["id"].startswith("call_")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    forced = chat(base, {"tools": [WEATHER, CLOCK], "tool_choice": named, "temperature": 1.0, "seed": 3})
+    (call,) = forced["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
+    events = stream_events(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 60, "tools": [CLOCK], "tool_choice": named})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    (streamed,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert streamed[0]["index"] == 0 and streamed[0]["function"]["name"] == "get_time"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
+    answer = post(base, "/v1/chat/completions", {"messages": history, "tools": [CLOCK], "max_tokens": 5})
+    assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("body,param,fragment", [
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None,
+     "tool_choice names function 'nope', which is not among the tools"),
+    ({"tool_choice": "required"}, None, "needs tools"),
+    ({"tools": [CLOCK], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
+     "tool_choice and response_format each constrain the output"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs its json_schema"),
+    ({"structured_outputs": {"regex": "(", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, None, "structured output does not compile"),
+])
+def test_bad_structured_requests_get_a_400(api: dict[str, Any], body: dict[str, Any], param: str | None,
+                                           fragment: str) -> None:
+    r = post(api["base"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"], r.json()
+    if param is not None:
+        assert r.json()["error"]["param"].startswith(param), r.json()
+    still_serving(api["base"])
 
 
 def test_an_oversized_body_gets_a_413_not_a_reset(api: dict[str, Any]) -> None:

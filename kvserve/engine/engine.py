@@ -28,6 +28,7 @@ from kvserve.engine.scoring import score_chunks
 from kvserve.engine.snapkv import SnapKVHook
 from kvserve.engine.startup import EngineStartup
 from kvserve.engine.streaming import StreamingHook
+from kvserve.engine.structured import GrammarCompiler, GrammarError
 
 logger = logging.getLogger("kvserve")
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer index, K, V) before the write
@@ -79,6 +80,9 @@ class LLMEngine:
         self.streaming_hook = StreamingHook(self.model, self.kv_cache, self.kv_manager, self.device)
         self.snapkv = SnapKVHook(self.runner, self.kv_cache, self.kv_manager, evict.kv_observation_window,
                                  evict.kv_compression_per_layer, self.eviction.refusal)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        eos if eos is not None else min(self.eos_token_ids, default=0))
         self.spec = spec_decoder(config, self.draft, self.draft_num_blocks, self.device, self.model_config.vocab_size,
                                  self.max_model_len,
                                  lambda r: self.kv_manager.lookahead_room(r.request_id, r.num_computed_tokens))
@@ -102,6 +106,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt of {len(token_ids)} tokens can never fit in the KV pool "
                 f"({self.kv_manager.capacity_tokens} token slots)")
+        grammar = None
+        if params.structured_output is not None:
+            try:
+                grammar = self.grammars.compile(params.structured_output)
+            except GrammarError as exc:
+                raise InvalidRequestError(f"structured output does not compile: {exc}") from exc
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
         if request_id in self.requests:
@@ -112,7 +122,8 @@ class LLMEngine:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator().manual_seed(params.seed)
-        request = Request(request_id, token_ids, params, arrival, prompt=text, generator=generator, stream=stream)
+        request = Request(request_id, token_ids, params, arrival, prompt=text, generator=generator, stream=stream,
+                          grammar=grammar)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request

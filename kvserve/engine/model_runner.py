@@ -243,7 +243,8 @@ class ModelRunner:
             rows = [starts[i] for i in plain]
             batch = sample(logits[rows] if len(rows) < len(logit_rows) else logits,
                            [sampled[i].request.params for i in plain], [sampled[i].request.generator for i in plain],
-                           None if history is None else [history[i] for i in plain])
+                           None if history is None else [history[i] for i in plain],
+                           [sampled[i].request.grammar for i in plain])
             for j, i in enumerate(plain):
                 results[i] = SampleResult(batch.token_ids[j : j + 1],
                                           None if batch.logprobs is None else batch.logprobs[j : j + 1],
@@ -252,7 +253,8 @@ class ModelRunner:
             if chunk.draft_token_ids:
                 request = chunk.request
                 results[i] = verify(logits[starts[i] : starts[i + 1]], chunk.draft_token_ids,
-                                    request.params, request.generator, None if history is None else history[i])
+                                    request.params, request.generator, None if history is None else history[i],
+                                    request.grammar)
         return [(chunk, result) for chunk, result in zip(sampled, results, strict=True) if result is not None]
 
     def _record_prompt_logprobs(self, ordered: list[ScheduledChunk], hidden: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.structured import Grammar
 
 
 class InvalidRequestError(ValueError):
@@ -69,6 +70,7 @@ class Request:
     detok_read: int = 0
     stream: bool = False  # detokenize every step (for streaming) instead of once at the end
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
+    grammar: Grammar | None = None  # params.structured_output's state: it has consumed the output tokens
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,8 @@
 Logits processing, in vLLM's order: ``logit_bias`` is added, ``min_tokens`` hides the stop
 tokens (EOS and stop_token_ids) until that many tokens were generated, then the penalties
 (repetition over prompt + output: positive logits divided, negative multiplied; frequency:
-minus penalty x count in the output; presence: minus penalty once a token is in the output).
+minus penalty x count in the output; presence: minus penalty once a token is in the output);
+a row with structured output then keeps only the tokens its grammar allows next (structured).
 Greedy rows then take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
 draw by the inverse CDF with one uniform per row, a seeded request's from its own generator:
 the same seed gives the same tokens whatever else is in the batch.
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.config import KV_EVICTION
+from kvserve.engine.structured import Grammar, StructuredOutput
 from kvserve.model.cpu_kernels import cpu_op
 
 
@@ -38,6 +40,7 @@ class SamplingParams:
     # the prompt tokens' log-probabilities (vLLM's prompt_logprobs): None: none; n: each token's
     # own and the top n at its position. Such a request computes its whole prompt (no prefix hits).
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # what the output must match (a JSON schema, a regex, ...)
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
@@ -182,23 +185,42 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    history: list[TokenHistory] | None = None,
+    history: list[TokenHistory] | None = None, grammars: list[Grammar | None] | None = None,
 ) -> SampleResult:
     """logits [N, vocab] float32, one row per request that samples this step; ``history`` (one
-    per row) is needed when a row uses penalties, logit_bias or min_tokens. Log-probabilities
-    are those of the raw model distribution (vLLM's default), before any processing."""
+    per row) is needed when a row uses penalties, logit_bias or min_tokens; ``grammars`` (one per
+    row, None where a row has none) mask each row to what its grammar allows, and consume the
+    token drawn. Log-probabilities are those of the raw model distribution (vLLM's default),
+    before any processing."""
     raw = logits
     if history is not None:
         logits = process_logits(logits, params, history)
+    logits = mask_by_grammars(logits, grammars)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(random_rows) == len(params):  # every row samples: no argmax, no copy of the rows
-        return with_logprobs(raw, draw(filter_logits(logits, params).softmax(dim=-1), generators).tolist(), params)
-    tokens = greedy_tokens(logits)
-    if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        filtered = filter_logits(logits[rows], [params[i] for i in random_rows])
-        tokens[rows] = draw(filtered.softmax(dim=-1), [generators[i] for i in random_rows])
-    return with_logprobs(raw, tokens.tolist(), params)
+        tokens = draw(filter_logits(logits, params).softmax(dim=-1), generators)
+    else:
+        tokens = greedy_tokens(logits)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            filtered = filter_logits(logits[rows], [params[i] for i in random_rows])
+            tokens[rows] = draw(filtered.softmax(dim=-1), [generators[i] for i in random_rows])
+    chosen = tokens.tolist()
+    for grammar, token in zip(grammars or (), chosen, strict=False):
+        if grammar is not None:
+            grammar.advance(token)
+    return with_logprobs(raw, chosen, params)
+
+
+def mask_by_grammars(logits: torch.Tensor, grammars: list[Grammar | None] | None) -> torch.Tensor:
+    """The rows with a grammar masked to the tokens it allows next (a copy; others untouched)."""
+    if not grammars or all(g is None for g in grammars):
+        return logits
+    logits = logits.clone()
+    for i, grammar in enumerate(grammars):
+        if grammar is not None:
+            grammar.mask(logits[i : i + 1])
+    return logits
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,11 @@ from kvserve.engine.sampling import (
     draw,
     filter_logits,
     greedy_tokens,
+    mask_by_grammars,
     process_logits,
     with_logprobs,
 )
+from kvserve.engine.structured import Grammar
 
 
 class Proposal(NamedTuple):
@@ -82,20 +84,32 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> Prop
 
 
 def verify(raw: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None,
-           history: TokenHistory | None) -> SampleResult:
+           history: TokenHistory | None, grammar: Grammar | None = None) -> SampleResult:
     """The tokens a verify chunk yields: accepted drafts, then the target's own next token.
 
     ``raw``: the target's logits at the chunk's last real token and at each draft
     ([len(drafts) + 1, vocab]); row i predicts the token after drafts[:i]. ``history`` (for
     penalties, logit_bias, min_tokens) is the request's before this step; row i sees the drafts
-    before it as output."""
+    before it as output. ``grammar`` (structured output): each position keeps what the grammar
+    allows after the tokens before it, so a draft outside the grammar never stands; it consumes
+    the tokens yielded."""
     k = len(drafts)
     rows = [params] * (k + 1)
     logits = raw
     if history is not None:
         logits = process_logits(raw, rows, [TokenHistory(history.prompt, history.output + drafts[:i],
                                                          history.stop_ids) for i in range(k + 1)])
-    if params.greedy:
+    if grammar is not None:
+        tokens = []
+        for i in range(k + 1):  # the mask at position i depends on the token drawn at i - 1
+            row = mask_by_grammars(logits[i : i + 1], [grammar])
+            token = int(greedy_tokens(row)[0]) if params.greedy else _draw(filter_logits(row, [params]).softmax(-1)[0],
+                                                                            generator)
+            grammar.advance(token)
+            tokens.append(token)
+            if i == k or token != drafts[i]:
+                break
+    elif params.greedy:
         target = greedy_tokens(logits).tolist()
         accepted = next((i for i, (d, t) in enumerate(zip(drafts, target, strict=False)) if d != t), k)
         tokens = [*drafts[:accepted], target[accepted]]

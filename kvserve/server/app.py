@@ -36,6 +36,7 @@ from kvserve.server.protocol import (
     chat_messages,
 )
 from kvserve.server.token_text import TokenText
+from kvserve.server.tools import read_tool_calls
 from kvserve.tune.drift import TunedWorkload
 
 
@@ -269,7 +270,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         check_model(body.model)
-        token_ids = _chat_tokens(body.chat(), body.add_generation_prompt)
+        token_ids = _chat_tokens(body.chat(), body.add_generation_prompt, body.tool_specs())
         return await _serve(body, [token_ids], [request_max_tokens(body, len(token_ids), chat=True)], chat=True)
 
     @app.post("/tokenize")  # like vLLM, outside /v1: not behind --api-key
@@ -337,15 +338,28 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _chat_tokens(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def _chat_tokens(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The template's rendering; ``tools`` go to it as HF templates take them (templates
+        without tool support leave them out)."""
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no tokenizer or chat template", param="messages")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
+            text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # the template's own complaint (jinja2 raises its own types)
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return _encode(text, add_special_tokens=False)  # as LLM.chat does: the template has its own BOS
+
+    def _chat_turn(body: ChatCompletionRequest, text: str, finish_reason: str | None
+                   ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished turn and its finish_reason: the tool calls it made
+        (finish_reason tool_calls), or its text."""
+        mode = body.tool_mode()
+        said = read_tool_calls(text, body.tool_specs(), mode) if mode is not None else None
+        if said is None or not said.calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": said.content, "tool_calls": said.calls}, "tool_calls"
 
     async def _start(index: int, token_ids: list[int], params: SamplingParams, stream: bool) -> _Choice:
         try:
@@ -394,11 +408,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         scored_only = body.requested_max_tokens() == 0
         usage = _Usage(prompts, body.n, scored_only)
         if body.stream:
-            options = body.stream_options
-            include_usage = options is not None and options.include_usage
-            continuous = include_usage and options is not None and options.continuous_usage_stats
-            return StreamingResponse(_sse(choices, rid, created, chat, usage, include_usage, continuous,
-                                          body.prompt_logprobs is not None), media_type="text/event-stream")
+            return StreamingResponse(_sse(body, choices, rid, created, usage), media_type="text/event-stream")
         finals: dict[int, RequestOutput] = {}
         try:
             async for index, out in _merged(choices):
@@ -416,9 +426,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                 top_logprobs=None if final.top_logprobs is None else [], finish_reason="length")
             prompt = prompts[index // body.n]
             logprobs = _logprobs(final, 0, chat, echo=prompt if echoed is not None else None)
-            if chat:
-                answers.append({"index": index, "message": {"role": "assistant", "content": final.text},
-                                "logprobs": logprobs, "finish_reason": final.finish_reason})
+            if isinstance(body, ChatCompletionRequest):
+                message, reason = _chat_turn(body, final.text, final.finish_reason)
+                answers.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 text = final.text if echoed is None else echoed[index // body.n] + final.text
                 answers.append({"index": index, "text": text, "logprobs": logprobs,
@@ -429,9 +439,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                              "created": created, "model": config.model_name, "choices": answers,
                              "usage": usage.body()})
 
-    async def _sse(choices: list[_Choice], rid: str, created: int, chat: bool, usage: _Usage,
-                   include_usage: bool, continuous: bool, body_prompt_logprobs: bool) -> AsyncIterator[str]:
+    async def _sse(body: CompletionRequest | ChatCompletionRequest, choices: list[_Choice], rid: str, created: int,
+                   usage: _Usage) -> AsyncIterator[str]:
+        """The stream: a chat's role first, then each choice's new text as it comes (a turn that
+        may call tools is held back and sent whole at its end: its text may turn out to be calls)."""
+        chat = isinstance(body, ChatCompletionRequest)
         kind = "chat.completion.chunk" if chat else "text_completion"
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options is not None and options.continuous_usage_stats
+        held = isinstance(body, ChatCompletionRequest) and body.tool_mode() is not None
 
         def chunk(parts: list[dict[str, Any]], with_usage: bool = False) -> str:
             data: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": config.model_name,
@@ -456,11 +473,19 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     continue
                 part: dict[str, Any] = {"index": index, "logprobs": _logprobs(out, sent[index], chat),
                                         "finish_reason": out.finish_reason if out.finished else None}
-                if body_prompt_logprobs and index not in scored:
+                if body.prompt_logprobs is not None and index not in scored:
                     part["prompt_logprobs"] = _prompt_logprobs(out)
                     scored.add(index)
                 sent[index] = len(out.token_ids)
-                part.update({"delta": {"content": out.new_text}} if chat else {"text": out.new_text})
+                if isinstance(body, ChatCompletionRequest) and held:
+                    if not out.finished:
+                        continue
+                    message, part["finish_reason"] = _chat_turn(body, out.text, out.finish_reason)
+                    calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+                    part["delta"] = {"tool_calls": calls} if calls else {"content": out.text}
+                    part["logprobs"] = _logprobs(out, 0, chat=True)
+                else:
+                    part.update({"delta": {"content": out.new_text}} if chat else {"text": out.new_text})
                 yield chunk([part], continuous)
             if include_usage:
                 yield chunk([], with_usage=True)

@@ -2,19 +2,22 @@
 them: validation, error messages and /openapi.json all come from here.
 
 Every field a client may send is declared. An unknown field is rejected, and so is a known
-field the server cannot honour (``tools``, a ``response_format`` other than text, ``suffix``,
-``best_of``, ``echo`` with ``stream``); the fields that cannot change the output (``IGNORED_FIELDS``) are
-accepted and ignored. Nothing else is ignored silently. Strings must be valid Unicode (a lone
-UTF-16 surrogate such as ``"\\ud800"`` is rejected), numbers finite.
+field the server cannot honour (``suffix``, ``best_of``, ``echo`` with ``stream``); the fields
+that cannot change the output (``IGNORED_FIELDS``) are accepted and ignored. Nothing else is
+ignored silently. Strings must be valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"``
+is rejected), numbers finite.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.structured import StructuredOutput
+from kvserve.server.tools import forced_calls_grammar
 
 
 def _valid_unicode(text: str) -> str:
@@ -46,8 +49,72 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"] = Field(description="only plain text is supported")
+    """OpenAI's response_format: text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a choice of strings or a
+    Lark grammar."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice or grammar")
+        return self
+
+    def output(self) -> StructuredOutput:
+        if self.json_ is not None:
+            return StructuredOutput("json", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        if self.choice is not None:
+            return StructuredOutput("choice", json.dumps(self.choice))
+        assert self.grammar is not None
+        return StructuredOutput("grammar", self.grammar)
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Strict):
@@ -82,8 +149,10 @@ class _Sampling(_Strict):
     kv_window: Annotated[int, Field(ge=1)] | None = None
     kv_sink_tokens: Annotated[int, Field(ge=0)] | None = None
     kv_compression_ratio: Annotated[float, Field(gt=0, le=1)] | None = None
-    # vLLM's extra: the prompt tokens' log-probabilities (the top n besides each token's own)
+    # vLLM's extras: the prompt tokens' log-probabilities (the top n besides each token's own);
+    # output kept inside a JSON schema, a regex, a choice or a grammar
     prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("seed")
     @classmethod
@@ -120,6 +189,10 @@ class _Sampling(_Strict):
     def prompt_logprobs_wanted(self) -> int | None:
         return self.prompt_logprobs
 
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match, from whichever field asked (None: free text)."""
+        return None if self.structured_outputs is None else self.structured_outputs.output()
+
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's parameters for the ``choice``-th of n samples (OpenAI defaults:
         temperature 1, top_p 1). As in vLLM, sample i of a seeded request is seeded seed + i, so
@@ -134,7 +207,7 @@ class _Sampling(_Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            prompt_logprobs=self.prompt_logprobs_wanted(),
+            prompt_logprobs=self.prompt_logprobs_wanted(), structured_output=self.structured_output(),
             min_tokens=min(self.min_tokens, max_tokens), kv_eviction=self.kv_eviction, kv_window=self.kv_window,
             kv_sink_tokens=self.kv_sink_tokens, kv_compression_ratio=self.kv_compression_ratio)
 
@@ -215,17 +288,52 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="tools are not supported: only an empty list")
-    tool_choice: Literal["none"] | None = Field(None, description="tools are not supported")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools are not supported by this server")
-        return tools
+    @model_validator(mode="after")
+    def _one_constraint(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools")
+        if choice == "required" and not self.tools:
+            raise ValueError("tool_choice=required needs tools")
+        forced = [name for name, given in (
+            ("tool_choice", self.forced_tool_calls()),
+            ("response_format", self.response_format is not None and self.response_format.type != "text"),
+            ("structured_outputs", self.structured_outputs is not None)) if given]
+        if len(forced) > 1:
+            raise ValueError(f"{' and '.join(forced)} each constrain the output: give one")
+        return self
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_mode(self) -> str | dict[str, Any] | None:
+        """How this turn may call tools: "auto", "required", a named function, or None (text)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        choice = self.tool_choice or "auto"
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    def forced_tool_calls(self) -> bool:
+        mode = self.tool_mode()
+        return mode is not None and mode != "auto"
+
+    def structured_output(self) -> StructuredOutput | None:
+        mode = self.tool_mode()
+        if mode is not None and mode != "auto":
+            return forced_calls_grammar(self.tool_specs(), mode)
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutput("json", json.dumps({"type": "object"}))
+        if fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None
+            return StructuredOutput("json", json.dumps(fmt.json_schema.schema_))
+        return super().structured_output()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
