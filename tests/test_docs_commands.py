@@ -49,6 +49,7 @@ def test_the_pages_show_commands_to_check() -> None:
     pages = {page for page, _ in COMMANDS}
     assert {"cli.md", "plan.md", "quantization.md", "serving.md"} <= pages, pages
     assert len(COMMANDS) >= 20
+    assert any(page == "plan.md" for page, _, _ in shown_outputs())  # an output shown is checked too
 
 
 @pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}:{c[:60]}" for p, c in COMMANDS])
@@ -85,3 +86,34 @@ def test_the_readme_python_example_runs() -> None:
     printed = out.getvalue()
     assert printed.lstrip().startswith("Paris"), printed  # greedy: "The capital of France is" Paris
     assert "KV cache: usage" in printed and "prefix cache: hit rate" in printed, printed
+
+
+def shown_outputs() -> list[tuple[str, str, str]]:
+    """(page, command, output) for each ``$ kvserve ...`` block whose output a page shows."""
+    shown = []
+    for page in PAGES:
+        for block in FENCE.findall(page.read_text()):
+            if not block.startswith("$ kvserve "):
+                continue
+            lines = block.splitlines()
+            command = lines[0][2:]
+            rest = 1
+            while command.endswith("\\"):
+                command = command[:-1] + " " + lines[rest].strip()
+                rest += 1
+            shown.append((page.name, command, "\n".join(lines[rest:])))
+    return shown
+
+
+SHOWN = shown_outputs()
+
+
+@pytest.mark.parametrize(("page", "command", "output"), SHOWN, ids=[f"{p}:{c[:50]}" for p, c, _ in SHOWN])
+def test_shown_outputs_are_what_the_commands_print(page: str, command: str, output: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")  # the width the pages were rendered at
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(shlex.split(command)[1:]) == 0
+    words = [line.split() for line in printed.getvalue().splitlines() if line.strip()]
+    assert words == [line.split() for line in output.splitlines() if line.strip()], f"{page}: `{command}`"
