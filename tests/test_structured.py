@@ -78,3 +78,20 @@ def test_tool_calls_are_read_back_from_text() -> None:
     assert forced.content is None and forced.calls[0]["function"]["name"] == "get_time"
     cut = read_tool_calls('{"zone": "CE', TOOLS, {"type": "function", "function": {"name": "get_time"}})
     assert cut.calls == [] and cut.content == '{"zone": "CE'  # cut short by max_tokens: text stays text
+
+
+def test_objects_that_list_their_properties_are_closed() -> None:
+    """As xgrammar's strict mode (vLLM's default): listed properties only, unless the schema says
+    otherwise; enum and const values are data, left alone."""
+    from kvserve.engine.structured import closed_objects
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "where": {
+        "type": "object", "properties": {"lat": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"const": {"properties": 1}}}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["where"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["properties"]["k"]["const"] == {"properties": 1}
+    assert closed["properties"]["open"]["additionalProperties"] is True
