@@ -145,3 +145,22 @@ def test_new_sampling_fields_are_validated() -> None:
                           ({"logit_bias": {3: 101.0}}, "logit_bias")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_seed_survives_prefix_hits_and_preemption(tiny_model_factory: Callable[..., Path]) -> None:
+    """A seeded request's tokens are its own: the same when its prompt comes from the prefix
+    cache, and when it is preempted (recomputed) in a pool too small for its batch."""
+    path = str(tiny_model_factory("llama"))
+    seeded = SamplingParams(temperature=1.0, seed=77, max_tokens=40, ignore_eos=True)
+    prompt = [3 + (i * 7) % 200 for i in range(40)]
+    roomy = LLM(path, kv_cache_memory="2MiB", max_model_len=256)
+    alone = roomy.generate([prompt], seeded)[0]
+    again = roomy.generate([prompt], seeded)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == alone.token_ids  # 2 blocks from the cache
+    noisy = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    tight = LLM(path, kv_cache_memory=14 * roomy.engine.kv_block_bytes, max_model_len=128)  # 13 usable blocks
+    mates = [[5 + i] * 40 for i in range(2)]
+    outs = tight.generate([*mates, prompt], [noisy, noisy, seeded])  # the newest is preempted first
+    assert outs[-1].num_preemptions > 0, "the pool should have preempted the seeded request"
+    assert outs[-1].token_ids == alone.token_ids
+
