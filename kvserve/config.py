@@ -298,13 +298,18 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class OffloadConfig:
-    """The KV tiers below the pool: host memory (tier 1) and disk (tier 2)."""
+    """The KV tiers below the pool: host memory (tier 1), disk, and a store shared by replicas."""
 
     kv_offload_memory: int | str | None = knob(None, "tier 1: keep prefix blocks the pool evicts in "
                                                "this much host memory, e.g. 8GiB", kind=str)
     kv_offload_disk: str | None = knob(None, "tier 2: a directory for the blocks tier 1 drops, found "
                                        "again after a restart", kind=str)
     kv_offload_disk_size: int | str = knob("10GiB", "tier 2's capacity (default: %(default)s)")
+    kv_offload_remote: str | None = knob(None, "a Redis or Valkey server shared by replicas, e.g. "
+                                         "redis://host:6379/0: the blocks tier 1 drops, found by any replica of "
+                                         "the same model and KV format", kind=str)
+    kv_offload_remote_ttl: int = knob(86400, "seconds a block stays in the remote store unless read or written "
+                                      "again (default: %(default)s)")
 
     def __post_init__(self) -> None:
         if self.kv_offload_memory is not None:
@@ -312,6 +317,15 @@ class OffloadConfig:
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size, "kv_offload_disk_size")
         if self.kv_offload_disk is not None and self.kv_offload_memory is None:
             raise ConfigError("kv_offload_disk keeps the blocks tier 1 drops: give kv_offload_memory too")
+        if self.kv_offload_remote is not None:
+            if self.kv_offload_memory is None:
+                raise ConfigError("kv_offload_remote keeps the blocks tier 1 drops: give kv_offload_memory too")
+            if not self.kv_offload_remote.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"kv_offload_remote must be a redis://, rediss:// or unix:// URL, "
+                                  f"got {self.kv_offload_remote!r}")
+        if not isinstance(self.kv_offload_remote_ttl, int) or self.kv_offload_remote_ttl < 1:
+            raise ConfigError(f"kv_offload_remote_ttl must be a whole number of seconds >= 1, "
+                              f"got {self.kv_offload_remote_ttl!r}")
 
 
 @dataclass(slots=True)

@@ -634,5 +634,5 @@ def test_shutdown_finishes_queued_disk_writes(tiny_chat_model: LoadedModel, tmp_
         assert post(base, "/v1/completions", {"prompt": doc, "max_tokens": 2}).status_code == 200
     stop()  # the engine's shutdown
     disk = engine.engine.kv_manager.disk_tier
-    assert disk._writes.unfinished_tasks == 0 and not disk._writer.is_alive()
+    assert disk._writer.pending == 0 and not disk._writer.running
     assert len(list(tmp_path.glob("*/*/*.kvb"))) == len(disk.index) > 0

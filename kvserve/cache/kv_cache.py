@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache import kv_layer_quant  # noqa: F401  (registers the quantized formats)
-from kvserve.cache.kv_disk import DiskTier
+from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_layer import KVQuantSpec, LatentKV, LayerKV, PoolShape, format_class
 from kvserve.cache.kv_plan import StorageWork
 from kvserve.cache.kv_quant import float_kind
@@ -70,7 +70,7 @@ class PagedKVCache:
         self.zeroed_up_to = -1
         self.zero_new_blocks(0)
         self.host_store: HostBlockStore | None = None
-        self.disk: DiskTier | None = None
+        self.stores: list[BlockStore] = []
 
     @property
     def uses_tail(self) -> bool:
@@ -85,11 +85,11 @@ class PagedKVCache:
         """Every layer's per-block tensors, in a fixed order: a block is these tensors' rows."""
         return [tensor for layer in self.storage for tensor in layer.per_block_tensors()]
 
-    def attach_host_tier(self, capacity_blocks: int, disk: DiskTier | None = None) -> None:
+    def attach_host_tier(self, capacity_blocks: int, stores: list[BlockStore] | None = None) -> None:
         """Host memory for tier 1 (kv_tiers): ``capacity_blocks`` blocks in the stored format;
-        ``disk``: tier 2, which receives the blocks tier 1 drops."""
+        ``stores``: the lower stores (disk, remote), each of which receives the blocks tier 1 drops."""
         self.host_store = HostBlockStore(self.per_block_tensors(), capacity_blocks)
-        self.disk = disk
+        self.stores = list(stores or [])
 
     def prepare(self, work: StorageWork) -> None:
         """A step's storage work, before its forward pass: first-use zeroing of new blocks (before
@@ -101,25 +101,26 @@ class PagedKVCache:
 
     def run_tier_moves(self, moves: TierMoves | None) -> None:
         """A step's moves (after first-use zeroing, before the forward pass): tier 1's dropped
-        blocks handed to tier 2 (written in the background), demotions, promotions, blocks read
-        from tier 2."""
+        blocks handed to the lower stores (written in the background), demotions, promotions,
+        blocks read from a lower store."""
         if moves is None or not any(moves):
             return
         assert self.host_store is not None, "tier moves need attach_host_tier"
-        if self.disk is not None:
+        for store in self.stores:
             for slot, key in moves.spills:
-                self.disk.put(key, self.host_store.read(slot))
+                store.put(key, self.host_store.read(slot))
             for block_id, key in moves.pool_spills:
-                self.disk.put(key, [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()])
+                store.put(key, [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()])
         self.host_store.run(self.per_block_tensors(), moves)
-        if self.disk is not None:  # write-through: what the pool evicts is kept on disk too
+        for store in self.stores:  # write-through: what the pool evicts is kept below too
             for slot, key in moves.persist:
-                self.disk.put(key, self.host_store.read(slot))
+                store.put(key, self.host_store.read(slot))
 
     def take_load_seconds(self) -> list[tuple[str, float]]:
         """(tier, seconds) of each block loaded back into the pool since the last call."""
         loads: list[tuple[str, float]] = []
-        for name, source in (("cpu", self.host_store), ("disk", self.disk)):
+        sources: list[tuple[str, HostBlockStore | BlockStore | None]] = [("cpu", self.host_store)]
+        for name, source in sources + [(store.name, store) for store in self.stores]:
             if source is not None:
                 loads += [(name, seconds) for seconds in source.load_seconds]
                 source.load_seconds.clear()

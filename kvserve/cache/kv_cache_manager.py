@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, capacity_tokens, cdiv
 from kvserve.cache.kv_offload import OffloadManager
@@ -34,8 +35,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 tail_blocks: int = 0, host_tier: TierIndex | None = None, disk_tier: DiskTier | None = None,
-                 disk_block_like: list[torch.Tensor] | None = None,
+                 tail_blocks: int = 0, host_tier: TierIndex | None = None, stores: list[BlockStore] | None = None,
+                 store_block_like: list[torch.Tensor] | None = None,
                  groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,), max_chunk_tokens: int = 1,
                  streaming: StreamingWindow | None = None) -> None:
         """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
@@ -56,7 +57,7 @@ class KVCacheManager:
         self.requests: dict[str, RequestKV] = {}
         self.num_evicted_tokens = 0  # since start
         self.tail_blocks = tail_blocks
-        self.offload = OffloadManager(host_tier, disk_tier, disk_block_like)
+        self.offload = OffloadManager(host_tier, stores, store_block_like)
         self.offload.attach(self.pool, enable_prefix_caching)
         self.prefix_cache = PrefixCache(self.pool, self.offload, block_size, len(self.groups), enable_prefix_caching)
         self.tails = TailRuns(self.pool, tail_blocks, len(self.groups))
@@ -64,8 +65,13 @@ class KVCacheManager:
         self.peaks = PeakUsage()
 
     @property
+    def stores(self) -> list[BlockStore]:
+        """The lower stores below tier 1 (disk, remote), in the order they are asked."""
+        return self.offload.stores
+
+    @property
     def disk_tier(self) -> DiskTier | None:
-        return self.offload.disk_tier
+        return next((s for s in self.stores if isinstance(s, DiskTier)), None)
 
     @property
     def capacity_tokens(self) -> int:

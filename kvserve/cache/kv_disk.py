@@ -1,27 +1,18 @@
-"""Tier 2 of the KV cache: prefix blocks on disk, one file per block, in their stored format;
-an index kept across restarts, so a restarted server finds its prefix cache again.
+"""Tier 2 of the KV cache: prefix blocks on disk, one file per block, sealed (block_store: the
+namespace, the key and a digest in each file's header); an index kept across restarts, so a
+restarted server finds its prefix cache again.
 
-Safety: a block file is only ever read back under the same *namespace*, a digest of everything
-that decides what its bytes mean (model fingerprint, KV dtype, format version, block size,
-key-scale mode, layers kept in the model dtype, the scales file's hash). The namespace names
-the directory the files live in and is repeated in each file's header, with the block's content
-key (its chained token hash) and a SHA-256 of the payload. A file that is missing, truncated,
+The namespace names the directory the files live in. A file that is missing, truncated,
 corrupted, from another namespace or under another key is never used: the block is recomputed
 and ``errors`` counts it. Writes go to a temporary file that is renamed into place (atomic), on
 a background thread, so the step never waits for the disk; a write that fails (disk full,
 read-only) is dropped and counted.
-
-File layout: MAGIC (8 bytes) | namespace (32) | key (32) | payload length (8, little endian) |
-SHA-256 of the payload (32) | payload (each per-block tensor's bytes, in order).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import queue
-import struct
 import threading
 import time
 from collections import OrderedDict, deque
@@ -29,18 +20,10 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cache.block_store import HEADER, BackgroundWriter, block_payload, block_tensors, seal, unseal
 from kvserve.cache.kv_tiers import TierStats
 
 logger = logging.getLogger("kvserve")
-
-MAGIC = b"KVSBLK01"
-FORMAT_VERSION = 1  # bump when the stored layout of any KV format changes
-_HEADER = struct.Struct("<8s32s32sQ32s")
-
-
-def namespace(*parts: object) -> str:
-    """The digest that keys a disk cache: every part that decides what a block's bytes mean."""
-    return hashlib.sha256(repr((FORMAT_VERSION, *parts)).encode()).hexdigest()
 
 
 class DiskTier:
@@ -50,21 +33,21 @@ class DiskTier:
     since found bad or evicted); a key is added only after its file's rename. The index is
     owned by ``_lock`` (the writer thread adds to it, the engine thread reads and evicts)."""
 
+    name = "disk"
+
     def __init__(self, root: str | Path, capacity_bytes: int, namespace_digest: str, block_bytes: int) -> None:
         self.dir = Path(root) / namespace_digest
         self.dir.mkdir(parents=True, exist_ok=True)
         self.namespace = bytes.fromhex(namespace_digest)
         self.block_bytes = block_bytes
-        self.file_bytes = _HEADER.size + block_bytes
+        self.file_bytes = HEADER.size + block_bytes
         self.capacity_blocks = max(0, capacity_bytes // self.file_bytes)
         self.index: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self.hits = self.blocks_in = self.blocks_out = self.evictions = self.errors = 0
         self.load_seconds: deque[float] = deque(maxlen=4096)  # per block read back, until drained (metrics)
         self._load_index()
-        self._writes: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-tier", daemon=True)
-        self._writer.start()
+        self._writer = BackgroundWriter(self._write, "kvserve-disk-tier")
 
     # ------------------------------------------------------------------ index
 
@@ -113,37 +96,21 @@ class DiskTier:
         """Queue a block (its per-block tensors, on the host) for writing."""
         if self.capacity_blocks == 0 or key in self:
             return
-        payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
-        self._writes.put((key, payload))
+        self._writer.submit(key, block_payload(tensors))
 
     def flush(self) -> None:
-        """Wait until every queued write is done (tests, shutdown)."""
-        self._writes.join()
+        self._writer.flush()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
-        self._writes.put(None)
-        self._writer.join(timeout=30)
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            try:
-                if item is None:
-                    return
-                self._write(*item)
-            finally:
-                self._writes.task_done()
+        self._writer.close()
 
     def _write(self, key: bytes, payload: bytes) -> None:
         path = self._path(key)
-        header = _HEADER.pack(MAGIC, self.namespace, key, len(payload), hashlib.sha256(payload).digest())
         tmp = path.with_suffix(f".tmp{threading.get_ident()}")
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload)
+                f.write(seal(self.namespace, key, payload))
             os.replace(tmp, path)  # atomic: readers see the old state or the whole file
         except OSError as exc:
             with self._lock:
@@ -168,19 +135,14 @@ class DiskTier:
             data = self._path(key).read_bytes()
         except OSError:
             data = b""
-        payload = self._verify(key, data)
+        payload = unseal(self.namespace, key, self.block_bytes, data)
         if payload is None:
             with self._lock:
                 self.errors += 1
             self._forget(key)
             logger.warning("KV disk tier: block %s… is missing or damaged; recomputing it", key.hex()[:12])
             return None
-        tensors, offset = [], 0
-        for t in like:
-            size = t[0].numel() * t.element_size()
-            raw = torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=torch.uint8)
-            tensors.append(raw.view(t.dtype).view(t.shape[1:]))
-            offset += size
+        tensors = block_tensors(payload, like)
         with self._lock:
             if key in self.index:
                 self.index.move_to_end(key)
@@ -188,15 +150,6 @@ class DiskTier:
             self.blocks_out += 1
         self.load_seconds.append(time.perf_counter() - start)
         return tensors
-
-    def _verify(self, key: bytes, data: bytes) -> bytes | None:
-        if len(data) != self.file_bytes:
-            return None
-        magic, space, file_key, length, digest = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size :]
-        if (magic, space, file_key, length) != (MAGIC, self.namespace, key, self.block_bytes):
-            return None
-        return payload if hashlib.sha256(payload).digest() == digest else None
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -1,29 +1,31 @@
 """The pool's lower tiers, as the KVCacheManager sees them: which content keys tier 1 (host
-memory, kv_tiers) and tier 2 (disk, kv_disk) hold, the copies a step must run, and swap
-preemption's reserved slots. The bytes move in the PagedKVCache (run_tier_moves), once a step."""
+memory, kv_tiers) and the stores below it (block_store: disk, kv_disk; a server shared by
+replicas, kv_remote) hold, the copies a step must run, and swap preemption's reserved slots. The
+bytes move in the PagedKVCache (run_tier_moves), once a step."""
 
 from __future__ import annotations
 
 import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
-from kvserve.cache.kv_disk import DiskTier
+from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
 
 
 class OffloadManager:
     """Invariants: a key is in the pool's prefix cache or in tier 1, never both (exclusive
-    tiers); a tier-2 block is read and verified before it counts as a hit, and a bad file is a
-    miss; a slot reserved for a swapped-out request is released exactly once (swapped back in,
+    tiers); a block in a lower store is read and verified before it counts as a hit, and a bad
+    one is a miss; a slot reserved for a swapped-out request is released exactly once (swapped back in,
     or its request freed)."""
 
-    def __init__(self, host_tier: TierIndex | None = None, disk_tier: DiskTier | None = None,
+    def __init__(self, host_tier: TierIndex | None = None, stores: list[BlockStore] | None = None,
                  block_like: list[torch.Tensor] | None = None) -> None:
-        """``block_like``: the pool's per-block tensors (how a block read back from disk looks)."""
+        """``stores``: below tier 1, asked in order (they keep what tier 1 drops); ``block_like``:
+        the pool's per-block tensors (how a block read back from a store looks)."""
         self.host_tier = host_tier
-        self.disk_tier = disk_tier if host_tier is not None else None  # tier 2 keeps what tier 1 drops
+        self.stores = list(stores or []) if host_tier is not None else []
         self._block_like = block_like or []
-        self._disk_loaded: dict[bytes, list[torch.Tensor]] = {}  # verified tier-2 blocks, until promoted
+        self._store_loaded: dict[bytes, list[torch.Tensor]] = {}  # verified lower-store blocks, until promoted
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
 
     def attach(self, pool: BlockPool, prefix_caching: bool) -> None:
@@ -32,21 +34,22 @@ class OffloadManager:
             pool.on_evict = self.host_tier.demote
 
     def holds(self, key: bytes) -> bool:
-        """In tier 1, or in tier 2 with its file read and verified (a bad file is a miss)."""
+        """In tier 1, or in a lower store with its block read and verified (a bad one is a miss)."""
         if self.host_tier is not None and key in self.host_tier:
             return True
-        if self.disk_tier is None or key not in self.disk_tier:
-            return False
-        if key not in self._disk_loaded:
-            tensors = self.disk_tier.load(key, self._block_like)
-            if tensors is None:
-                return False
-            self._disk_loaded[key] = tensors
-        return True
+        if key in self._store_loaded:
+            return True
+        for store in self.stores:
+            if key in store:
+                tensors = store.load(key, self._block_like)
+                if tensors is not None:
+                    self._store_loaded[key] = tensors
+                    return True
+        return False
 
     def take(self, keys: list[bytes]) -> dict[bytes, int]:
         """Lower-tier hits a new request starts from leave tier 1 now, so that no pool claim can
-        demote them out of it: each key's tier-1 slot, or -1 for a block read from tier 2."""
+        demote them out of it: each key's tier-1 slot, or -1 for a block read from a lower store."""
         if self.host_tier is None:
             return {}
         return {key: self.host_tier.take(key) if key in self.host_tier else -1 for key in keys}
@@ -58,13 +61,13 @@ class OffloadManager:
                 self.host_tier.give_back(key, slot)  # type: ignore[union-attr]
 
     def fill(self, block: KVCacheBlock, key: bytes, slot: int) -> None:
-        """Copy a taken hit (its tier-1 ``slot``, or -1: the block read from tier 2) into pool
-        ``block`` in this step's moves."""
+        """Copy a taken hit (its tier-1 ``slot``, or -1: the block read from a lower store) into
+        pool ``block`` in this step's moves."""
         assert self.host_tier is not None
         if slot >= 0:
             self.host_tier.promote(slot, block.block_id)
         else:
-            self.host_tier.load(block.block_id, self._disk_loaded.pop(key))
+            self.host_tier.load(block.block_id, self._store_loaded.pop(key))
 
     def discard(self, key: bytes) -> None:
         """The pool published ``key`` again: tier 1's copy is dropped (exclusive tiers)."""
@@ -97,8 +100,8 @@ class OffloadManager:
 
     def take_moves(self) -> TierMoves | None:
         """This step's copies between the pool and the tiers (run before the forward pass)."""
-        self._disk_loaded.clear()  # a waiting request reads its tier-2 hits again next step
+        self._store_loaded.clear()  # a waiting request reads its lower-store hits again next step
         return self.host_tier.take_moves() if self.host_tier is not None else None
 
     def stats(self) -> list[TierStats]:
-        return [tier.stats() for tier in (self.host_tier, self.disk_tier) if tier is not None]
+        return ([self.host_tier.stats()] if self.host_tier is not None else []) + [s.stats() for s in self.stores]

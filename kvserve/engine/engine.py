@@ -56,11 +56,11 @@ class LLMEngine:
             model_config.head_dim, self.dtype, self.device, self.kv_quant, start.slots,
             mla.latent_dim if mla is not None else 0)
         self._clip_warned = False
-        host_tier, disk_tier = start.host_tier, start.disk_tier
+        host_tier, stores = start.host_tier, start.lower_stores
         if host_tier is not None:
-            self.kv_cache.attach_host_tier(host_tier.capacity_blocks, disk_tier)
+            self.kv_cache.attach_host_tier(host_tier.capacity_blocks, stores)
         self.kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                         self.tail_blocks, host_tier, disk_tier, self.kv_cache.per_block_tensors(),
+                                         self.tail_blocks, host_tier, stores, self.kv_cache.per_block_tensors(),
                                          [group.spec for group in self.kv_groups], sched.max_num_batched_tokens,
                                          self.eviction.default_window)
         self.scheduler = Scheduler(self.kv_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
@@ -223,9 +223,10 @@ class LLMEngine:
         return self.kv_cache.take_load_seconds()
 
     def close(self) -> None:
-        """Finish what outlives the engine: tier 2's queued block writes, so a restart finds them."""
-        if self.kv_manager.disk_tier is not None:
-            self.kv_manager.disk_tier.close()
+        """Finish what outlives the engine: the lower stores' queued block writes, so a restart (or
+        another replica) finds them."""
+        for store in self.kv_manager.stores:
+            store.close()
 
     def _watch_drift(self) -> None:
         if self._clip_warned:

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cache.block_store import BlockStore, namespace
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.kv_disk import DiskTier, namespace
+from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_format import KVLayout, kv_block_bytes, normalize_kv_dtype, num_blocks_for_budget, tail_blocks
 from kvserve.cache.kv_groups import capacity_tokens, layer_slots
 from kvserve.cache.kv_layer import KVQuantSpec
 from kvserve.cache.kv_quant import FP8_TYPES, float_kind
+from kvserve.cache.kv_remote import RemoteTier
 from kvserve.cache.kv_retention import StreamingWindow
 from kvserve.cache.kv_scales import KVScales
 from kvserve.cache.kv_tiers import TierIndex
@@ -100,7 +102,7 @@ class EngineStartup:
         self.draft_num_blocks = 0  # set by _size_pool when a draft model keeps its own KV pool
         self.num_blocks = self._size_pool()
         self.host_tier = self._host_tier()
-        self.disk_tier = self._disk_tier()
+        self.lower_stores = self._lower_stores()
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -311,20 +313,28 @@ class EngineStartup:
                     capacity * self.config.cache_config.block_size, format_bytes(capacity * self.kv_block_bytes))
         return TierIndex("cpu", capacity, self.kv_block_bytes)
 
-    def _disk_tier(self) -> DiskTier | None:
-        """Tier 2 on disk (--kv-offload-disk), under a namespace of everything that decides what a
-        block's bytes mean, so a directory shared with another model or format is never misread."""
+    def _lower_stores(self) -> list[BlockStore]:
+        """The stores below tier 1, asked in this order: the disk (--kv-offload-disk), then a
+        server shared by replicas (--kv-offload-remote). Both under a namespace of everything
+        that decides what a block's bytes mean, so a directory or server shared with another
+        model or format is never misread."""
         cache, offload = self.config.cache_config, self.config.offload_config
-        if offload.kv_offload_disk is None:
-            return None
         scales_hash = hashlib.sha256(Path(cache.kv_scales).read_bytes()).hexdigest() if cache.kv_scales else None
         quant = self.kv_quant
         space = namespace(self.fingerprint, str(self.dtype), quant.kv_dtype, quant.key_scale_mode,
                           sorted(quant.skip_layers), cache.block_size, scales_hash)
-        disk = DiskTier(offload.kv_offload_disk, int(offload.kv_offload_disk_size), space, self.kv_block_bytes)
-        logger.info("KV tier 2 (disk): %s, %d blocks = %d tokens, %s", disk.dir, disk.capacity_blocks,
-                    disk.capacity_blocks * cache.block_size, format_bytes(int(offload.kv_offload_disk_size)))
-        return disk
+        stores: list[BlockStore] = []
+        if offload.kv_offload_disk is not None:
+            disk = DiskTier(offload.kv_offload_disk, int(offload.kv_offload_disk_size), space, self.kv_block_bytes)
+            logger.info("KV tier 2 (disk): %s, %d blocks = %d tokens, %s", disk.dir, disk.capacity_blocks,
+                        disk.capacity_blocks * cache.block_size, format_bytes(int(offload.kv_offload_disk_size)))
+            stores.append(disk)
+        if offload.kv_offload_remote is not None:
+            remote = RemoteTier(offload.kv_offload_remote, space, self.kv_block_bytes, offload.kv_offload_remote_ttl)
+            logger.info("KV remote tier: %s, blocks kept %d s, namespace %s…", offload.kv_offload_remote,
+                        offload.kv_offload_remote_ttl, space[:12])
+            stores.append(remote)
+        return stores
 
     def _activation_peak(self) -> int:
         sched = self.config.scheduler_config

@@ -1,0 +1,131 @@
+"""The KV cache's lower stores (below tier 1 in host memory): what one is, and the sealed block
+format they share.
+
+A store keeps prefix blocks by content key (the prefix cache's chained token hash) in their
+stored format (an int4 block stays int4, with its scales). Every block is *sealed*: a header with
+the store's *namespace* (a digest of everything that decides what a block's bytes mean: model
+fingerprint, KV dtype, format version, block size, key-scale mode, layers kept in the model
+dtype, the scales file's hash), the block's key, its length and a SHA-256 of its bytes. A block
+is only ever read back when all of these match, so a store shared with another model, format or
+replica of another configuration is never misread, and a damaged block is a miss, not a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from kvserve.cache.kv_tiers import TierStats
+
+MAGIC = b"KVSBLK01"
+FORMAT_VERSION = 1  # bump when the stored layout of any KV format changes
+HEADER = struct.Struct("<8s32s32sQ32s")  # MAGIC | namespace | key | payload length | SHA-256 of the payload
+
+
+def namespace(*parts: object) -> str:
+    """The digest that keys a store: every part that decides what a block's bytes mean."""
+    return hashlib.sha256(repr((FORMAT_VERSION, *parts)).encode()).hexdigest()
+
+
+def block_payload(tensors: list[torch.Tensor]) -> bytes:
+    """A block's per-block tensors (on the host) as one byte string, in order."""
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def seal(space: bytes, key: bytes, payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, space, key, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+def unseal(space: bytes, key: bytes, payload_bytes: int, data: bytes) -> bytes | None:
+    """The payload of a sealed block, or None unless its namespace, key, length and digest all
+    match what is asked for."""
+    if len(data) != HEADER.size + payload_bytes:
+        return None
+    magic, block_space, block_key, length, digest = HEADER.unpack_from(data)
+    payload = data[HEADER.size :]
+    if (magic, block_space, block_key, length) != (MAGIC, space, key, payload_bytes):
+        return None
+    return payload if hashlib.sha256(payload).digest() == digest else None
+
+
+def block_tensors(payload: bytes, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The payload as one block of each of ``like`` (the pool's per-block tensors)."""
+    tensors, offset = [], 0
+    for t in like:
+        size = t[0].numel() * t.element_size()
+        raw = torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=torch.uint8)
+        tensors.append(raw.view(t.dtype).view(t.shape[1:]))
+        offset += size
+    return tensors
+
+
+class BackgroundWriter:
+    """Writes blocks on a thread of its own, in order, so that a step never waits for a store:
+    ``write(key, payload)`` runs there for each ``submit``; it must not raise."""
+
+    def __init__(self, write: Callable[[bytes, bytes], None], name: str) -> None:
+        self._write = write
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, key: bytes, payload: bytes) -> None:
+        self._queue.put((key, payload))
+
+    @property
+    def pending(self) -> int:
+        """Writes submitted and not done yet."""
+        return self._queue.unfinished_tasks
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def flush(self) -> None:
+        """Wait until every submitted write is done (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is submitted, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._queue.task_done()
+
+
+class BlockStore(Protocol):
+    """A lower tier. Invariants: ``load`` returns a block only if it was put under the same
+    namespace and key and its bytes are intact (else None, counted in its stats' errors); ``put``
+    never blocks the engine's step (writes go in the background) and a failed write is dropped
+    and counted; neither raises when the store's medium fails."""
+
+    name: str  # the tier's label in stats and metrics
+    load_seconds: deque[float]  # per block read back, until the metrics drain it
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether the store may hold ``key``, cheaply (a false positive costs a load that misses)."""
+
+    def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None: ...
+
+    def put(self, key: bytes, tensors: list[torch.Tensor]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> TierStats: ...

@@ -1,0 +1,136 @@
+"""A KV store shared by replicas: prefix blocks in a Redis (or Valkey) server, sealed as the disk
+tier seals them (block_store), under the same namespace and chained content keys. Replicas of
+one model and KV format on any node that reach the server find each other's blocks; a block of
+another model or format is never read (its namespace differs), and a damaged one is a miss.
+
+A store that is down or slow never stops the engine: every call has a short timeout, a failure
+is counted (``errors``), logged once per outage, and for ``retry_after_s`` the store is treated
+as empty (misses, writes dropped) before it is tried again; requests recompute what they would
+have loaded. Writes go through a background thread (the step never waits for the network), with
+a TTL so that blocks of a model nobody serves any more expire; the server's own memory limit and
+eviction policy (Redis's ``maxmemory``, ``allkeys-lru``) bound its size.
+
+Keys: ``kvserve:<namespace hex>:<content key hex>``; values: the sealed block (header + payload).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from kvserve.cache.block_store import BackgroundWriter, block_payload, block_tensors, seal, unseal
+from kvserve.cache.kv_tiers import TierStats
+from kvserve.config import ConfigError
+
+logger = logging.getLogger("kvserve")
+
+
+class RemoteTier:
+    """Invariants: ``load`` returns a block only if the server holds it sealed under this namespace
+    and key with its digest intact; no call raises because the server failed; while ``_down_until``
+    is in the future the server is not contacted."""
+
+    name = "remote"
+
+    def __init__(self, url: str, namespace_digest: str, block_bytes: int, ttl_s: int, timeout_s: float = 0.5,
+                 retry_after_s: float = 5.0) -> None:
+        try:
+            import redis
+        except ImportError:
+            raise ConfigError("kv_offload_remote needs the Redis client: pip install 'kvserve[remote]'") from None
+        self.url, self.block_bytes, self.ttl_s = url, block_bytes, ttl_s
+        self.namespace = bytes.fromhex(namespace_digest)
+        self.prefix = f"kvserve:{namespace_digest}:".encode()
+        self.retry_after_s = retry_after_s
+        self._client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._errors_seen: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._lock = threading.Lock()  # owns the counters and _down_until
+        self._down_until = 0.0
+        self.hits = self.blocks_in = self.blocks_out = self.errors = self.misses = 0
+        self.load_seconds: deque[float] = deque(maxlen=4096)
+        self._writer = BackgroundWriter(self._write, "kvserve-remote-tier")
+
+    def _name(self, key: bytes) -> bytes:
+        return self.prefix + key.hex().encode()
+
+    def _up(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self, exc: BaseException, doing: str) -> None:
+        """Count a failure; the first of an outage is logged, and the store rests for a while."""
+        with self._lock:
+            self.errors += 1
+            was_up = time.monotonic() >= self._down_until
+            self._down_until = time.monotonic() + self.retry_after_s
+        if was_up:
+            logger.warning("KV remote tier %s failed while %s (%s); blocks are recomputed, retrying in %.0f s",
+                           self.url, doing, exc, self.retry_after_s)
+
+    # ------------------------------------------------------------------ reads (engine thread)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether the server may hold the key: asking costs the round trip a load makes anyway,
+        so this says only whether the store is up; ``load`` finds out."""
+        return self._up()
+
+    def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The block's per-block tensors, or None: not there, the server failing, or a block
+        whose namespace, key, length or digest does not match (counted in ``errors``)."""
+        if not self._up():
+            return None
+        start = time.perf_counter()
+        try:
+            data = self._client.get(self._name(key))
+        except self._errors_seen as exc:
+            self._failed(exc, "reading a block")
+            return None
+        if data is None:
+            with self._lock:
+                self.misses += 1
+            return None
+        payload = unseal(self.namespace, key, self.block_bytes, bytes(data))
+        if payload is None:
+            with self._lock:
+                self.errors += 1
+            logger.warning("KV remote tier: block %s… is damaged or not this model's; recomputing it", key.hex()[:12])
+            return None
+        with self._lock:
+            self.hits += 1
+            self.blocks_out += 1
+        self.load_seconds.append(time.perf_counter() - start)
+        return block_tensors(payload, like)
+
+    # ------------------------------------------------------------------ writes (background)
+
+    def put(self, key: bytes, tensors: list[torch.Tensor]) -> None:
+        """Queue a block (its per-block tensors, on the host) for the server."""
+        if self._up():
+            self._writer.submit(key, block_payload(tensors))
+
+    def _write(self, key: bytes, payload: bytes) -> None:
+        if not self._up():
+            return
+        try:
+            self._client.set(self._name(key), seal(self.namespace, key, payload), ex=self.ttl_s)
+        except self._errors_seen as exc:
+            self._failed(exc, "writing a block")
+            return
+        with self._lock:
+            self.blocks_in += 1
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def stats(self) -> TierStats:
+        """Blocks read and written by this engine (the server's own size is its business)."""
+        with self._lock:
+            return TierStats(self.name, 0, 0, 0, self.hits, self.blocks_in, self.blocks_out, 0, 0, self.errors)
