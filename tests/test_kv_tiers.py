@@ -351,3 +351,25 @@ def test_int4_blocks_go_to_disk_in_their_stored_format_and_come_back(tiny_model_
     second = LLM(path, **common, **tiers)
     assert [o.token_ids for o in _one_by_one(second, prompts[:6], PARAMS)] == expected[:6]
     assert second.kv_stats().tiers[1].hits > 0
+
+
+def test_a_lower_store_hit_is_read_once_while_its_request_waits(tmp_path: Path) -> None:
+    """Blocks read and verified from a lower store stay verified between steps (within a byte
+    bound), so a request that waits for room is not read from disk (or the network) each step."""
+    import torch
+
+    from kvserve.cache.block_store import namespace
+    from kvserve.cache.kv_disk import DiskTier
+    from kvserve.cache.kv_offload import OffloadManager
+    from kvserve.cache.kv_tiers import TierIndex
+
+    like = [torch.zeros(4, 16, 8)]  # the pool's per-block tensors: 4 blocks of 16 x 8 float32
+    disk = DiskTier(tmp_path, 1 << 20, namespace("test"), 16 * 8 * 4)
+    key = bytes(range(32))
+    disk.put(key, [torch.arange(16 * 8, dtype=torch.float32).view(16, 8)])
+    disk.flush()
+    offload = OffloadManager(TierIndex("cpu", 2, 16 * 8 * 4), [disk], like)
+    for _ in range(3):  # three steps in which the request finds its hit but cannot be admitted
+        assert offload.holds(key)
+        offload.take_moves()
+    assert disk.stats().hits == 1

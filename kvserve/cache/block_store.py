@@ -56,12 +56,13 @@ def unseal(space: bytes, key: bytes, payload_bytes: int, data: bytes) -> bytes |
 
 
 def block_tensors(payload: bytes, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The payload as one block of each of ``like`` (the pool's per-block tensors)."""
+    """The payload as one block of each of ``like`` (the pool's per-block tensors): views of one
+    copy of it (each tensor's bytes start at a multiple of its element size)."""
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     tensors, offset = [], 0
     for t in like:
         size = t[0].numel() * t.element_size()
-        raw = torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=torch.uint8)
-        tensors.append(raw.view(t.dtype).view(t.shape[1:]))
+        tensors.append(raw[offset : offset + size].view(t.dtype).view(t.shape[1:]))
         offset += size
     return tensors
 
@@ -121,6 +122,9 @@ class BlockStore(Protocol):
         """Whether the store may hold ``key``, cheaply (a false positive costs a load that misses)."""
 
     def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None: ...
+
+    def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
+        """``load`` for several keys, in one request where the store can: the blocks found."""
 
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None: ...
 

@@ -151,6 +151,14 @@ class DiskTier:
         self.load_seconds.append(time.perf_counter() - start)
         return tensors
 
+    def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
+        found = {}
+        for key in keys:
+            tensors = self.load(key, like) if key in self else None
+            if tensors is not None:
+                found[key] = tensors
+        return found
+
     def stats(self) -> TierStats:
         with self._lock:
             blocks = len(self.index)

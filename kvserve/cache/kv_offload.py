@@ -5,11 +5,15 @@ bytes move in the PagedKVCache (run_tier_moves), once a step."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
+
+STORE_LOADED_BYTES = 256 << 20  # lower-store blocks kept verified between steps
 
 
 class OffloadManager:
@@ -25,7 +29,9 @@ class OffloadManager:
         self.host_tier = host_tier
         self.stores = list(stores or []) if host_tier is not None else []
         self._block_like = block_like or []
-        self._store_loaded: dict[bytes, list[torch.Tensor]] = {}  # verified lower-store blocks, until promoted
+        # verified lower-store blocks, until promoted: kept across steps (oldest dropped past
+        # STORE_LOADED_BYTES), so a request that waits for room does not read its hits again each step
+        self._store_loaded: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
 
     def attach(self, pool: BlockPool, prefix_caching: bool) -> None:
@@ -38,6 +44,7 @@ class OffloadManager:
         if self.host_tier is not None and key in self.host_tier:
             return True
         if key in self._store_loaded:
+            self._store_loaded.move_to_end(key)
             return True
         for store in self.stores:
             if key in store:
@@ -46,6 +53,19 @@ class OffloadManager:
                     self._store_loaded[key] = tensors
                     return True
         return False
+
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Read the lower stores' blocks among ``keys`` (those tier 1 lacks) in one request per
+        store (one network round trip for a remote store, not one per block); ``holds`` then
+        answers from them."""
+        wanted = [key for key in keys if key not in self._store_loaded
+                  and (self.host_tier is None or key not in self.host_tier)]
+        for store in self.stores:
+            if not wanted:
+                return
+            found = store.load_many(wanted, self._block_like)
+            self._store_loaded.update(found)
+            wanted = [key for key in wanted if key not in found]
 
     def take(self, keys: list[bytes]) -> dict[bytes, int]:
         """Lower-tier hits a new request starts from leave tier 1 now, so that no pool claim can
@@ -100,8 +120,14 @@ class OffloadManager:
 
     def take_moves(self) -> TierMoves | None:
         """This step's copies between the pool and the tiers (run before the forward pass)."""
-        self._store_loaded.clear()  # a waiting request reads its lower-store hits again next step
+        self._trim_store_loaded()  # between steps only: within one, a hit found is still there at fill()
         return self.host_tier.take_moves() if self.host_tier is not None else None
+
+    def _trim_store_loaded(self) -> None:
+        held = sum(t.numel() * t.element_size() for tensors in self._store_loaded.values() for t in tensors)
+        while held > STORE_LOADED_BYTES and self._store_loaded:
+            _, tensors = self._store_loaded.popitem(last=False)
+            held -= sum(t.numel() * t.element_size() for t in tensors)
 
     def stats(self) -> list[TierStats]:
         return ([self.host_tier.stats()] if self.host_tier is not None else []) + [s.stats() for s in self.stores]

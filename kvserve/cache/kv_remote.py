@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from kvserve.cache.kv_tiers import TierStats
 from kvserve.config import ConfigError
 
 logger = logging.getLogger("kvserve")
+
+KNOWN_KEYS = 1 << 16  # keys remembered as stored, so that they are not written again
 
 
 class RemoteTier:
@@ -53,6 +55,9 @@ class RemoteTier:
         self._down_until = 0.0
         self.hits = self.blocks_in = self.blocks_out = self.errors = self.misses = 0
         self.load_seconds: deque[float] = deque(maxlen=4096)
+        # keys this engine read from the server or wrote to it, with when: writing them again
+        # (a block read from the store and later evicted from the pool) would only cost time
+        self._known: OrderedDict[bytes, float] = OrderedDict()
         self._writer = BackgroundWriter(self._write, "kvserve-remote-tier")
 
     def _name(self, key: bytes) -> bytes:
@@ -68,6 +73,7 @@ class RemoteTier:
             self.errors += 1
             was_up = time.monotonic() >= self._down_until
             self._down_until = time.monotonic() + self.retry_after_s
+            self._known.clear()  # a server that came back may have lost what it held
         if was_up:
             logger.warning("KV remote tier %s failed while %s (%s); blocks are recomputed, retrying in %.0f s",
                            self.url, doing, exc, self.retry_after_s)
@@ -90,6 +96,13 @@ class RemoteTier:
         except self._errors_seen as exc:
             self._failed(exc, "reading a block")
             return None
+        tensors = self._checked(key, data, like)
+        if tensors is not None:
+            self.load_seconds.append(time.perf_counter() - start)
+        return tensors
+
+    def _checked(self, key: bytes, data: bytes | None, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The block ``data`` holds, if it is there and sealed under this namespace and key."""
         if data is None:
             with self._lock:
                 self.misses += 1
@@ -103,14 +116,51 @@ class RemoteTier:
         with self._lock:
             self.hits += 1
             self.blocks_out += 1
-        self.load_seconds.append(time.perf_counter() - start)
+        self._remember(key)
         return block_tensors(payload, like)
+
+    def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
+        """``load`` for many keys in one round trip per 256 (MGET)."""
+        found: dict[bytes, list[torch.Tensor]] = {}
+        for start in range(0, len(keys), 256):
+            if not self._up():
+                break
+            batch = keys[start : start + 256]
+            began = time.perf_counter()
+            try:
+                values = self._client.mget([self._name(key) for key in batch])
+            except self._errors_seen as exc:
+                self._failed(exc, "reading blocks")
+                break
+            hits = 0
+            for key, data in zip(batch, values, strict=True):
+                tensors = self._checked(key, data, like)
+                if tensors is not None:
+                    found[key] = tensors
+                    hits += 1
+            if hits:  # the round trip and the checks, shared by the blocks found
+                self.load_seconds.extend([(time.perf_counter() - began) / hits] * hits)
+        return found
 
     # ------------------------------------------------------------------ writes (background)
 
+    def _remember(self, key: bytes) -> None:
+        with self._lock:
+            self._known[key] = time.monotonic()
+            self._known.move_to_end(key)
+            while len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
+
+    def _recently_stored(self, key: bytes) -> bool:
+        """Read or written within half the TTL: the server still has it (unless its memory limit
+        evicted it: then a replica recomputes, which is what a miss costs anyway)."""
+        with self._lock:
+            when = self._known.get(key)
+        return when is not None and time.monotonic() - when < self.ttl_s / 2
+
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None:
-        """Queue a block (its per-block tensors, on the host) for the server."""
-        if self._up():
+        """Queue a block (its per-block tensors, on the host) for the server, unless it is there."""
+        if self._up() and not self._recently_stored(key):
             self._writer.submit(key, block_payload(tensors))
 
     def _write(self, key: bytes, payload: bytes) -> None:
@@ -123,6 +173,7 @@ class RemoteTier:
             return
         with self._lock:
             self.blocks_in += 1
+        self._remember(key)
 
     def flush(self) -> None:
         self._writer.flush()

@@ -88,6 +88,9 @@ class PrefixCache:
             return CachedPrefix(0, [[] for _ in range(self.num_groups)])
         length = (num_tokens - 1) // self.block_size
         hashes = self.hashes(record, tokens, length)
+        if self.offload.stores:  # ask the lower stores for every block the pool lacks at once
+            self.offload.prefetch([key for i in range(length) for group in range(self.num_groups)
+                                   if self.pool.cached_block(key := group_key(hashes[i], group)) is None])
         found: list[dict[int, CachedBlock | None]] = [{} for _ in range(self.num_groups)]
 
         def hit(group: int, index: int) -> CachedBlock | None:
