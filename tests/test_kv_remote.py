@@ -147,3 +147,18 @@ def test_the_remote_store_needs_tier_1_and_a_redis_url(tiny_model_factory: Calla
     with pytest.raises(ConfigError, match="redis://, rediss:// or unix:// URL, got 'http://x'"):
         LLM(path, kv_offload_memory="1MiB", kv_offload_remote="http://x")
 
+
+
+def test_a_block_reaches_the_store_once_computed_not_only_when_evicted(setup, server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    """Replica A keeps every document in its pool (nothing is evicted), yet replica B finds them
+    in the store: shared stores get each block once the step that computed it is done."""
+    path, _, prompts, expected = setup
+    roomy = replica(path, 8 << 20, server.url)
+    assert [o.token_ids for o in _one_by_one(roomy, prompts[:4], PARAMS)] == expected[:4]
+    assert roomy.kv_stats().tiers[0].blocks_in == 0  # tier 1 got nothing: the pool evicted nothing
+    remote_of(roomy).flush()
+    assert remote_of(roomy).stats().blocks_in >= 4 * 256 // 16
+    second = replica(path, 8 << 20, server.url)
+    outputs = _one_by_one(second, prompts[4:], PARAMS)
+    assert [o.token_ids for o in outputs] == expected[4:]
+    assert all(o.num_cached_tokens >= 256 for o in outputs)  # every document's blocks from the store

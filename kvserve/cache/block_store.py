@@ -116,6 +116,7 @@ class BlockStore(Protocol):
     and counted; neither raises when the store's medium fails."""
 
     name: str  # the tier's label in stats and metrics
+    shared: bool  # other engines read it: blocks are written once computed, not only when evicted
     load_seconds: deque[float]  # per block read back, until the metrics drain it
 
     def __contains__(self, key: bytes) -> bool:

@@ -116,6 +116,14 @@ class PagedKVCache:
             for slot, key in moves.persist:
                 store.put(key, self.host_store.read(slot))
 
+    def share_published(self, published: list[tuple[int, bytes]]) -> None:
+        """The blocks published this step, computed now, to the stores other engines read."""
+        shared = [store for store in self.stores if store.shared]
+        for block_id, key in published if shared else ():
+            tensors = [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()]
+            for store in shared:
+                store.put(key, tensors)
+
     def take_load_seconds(self) -> list[tuple[str, float]]:
         """(tier, seconds) of each block loaded back into the pool since the last call."""
         loads: list[tuple[str, float]] = []

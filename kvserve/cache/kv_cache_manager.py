@@ -69,6 +69,11 @@ class KVCacheManager:
         """The lower stores below tier 1 (disk, remote), in the order they are asked."""
         return self.offload.stores
 
+    def take_published(self) -> list[tuple[int, bytes]]:
+        """(pool block, key) of the blocks published since the last call, when a shared store
+        wants them (after the step that computed them)."""
+        return self.offload.take_published()
+
     @property
     def disk_tier(self) -> DiskTier | None:
         return next((s for s in self.stores if isinstance(s, DiskTier)), None)

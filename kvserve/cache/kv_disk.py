@@ -34,6 +34,7 @@ class DiskTier:
     owned by ``_lock`` (the writer thread adds to it, the engine thread reads and evicts)."""
 
     name = "disk"
+    shared = False
 
     def __init__(self, root: str | Path, capacity_bytes: int, namespace_digest: str, block_bytes: int) -> None:
         self.dir = Path(root) / namespace_digest

@@ -33,6 +33,8 @@ class OffloadManager:
         # STORE_LOADED_BYTES), so a request that waits for room does not read its hits again each step
         self._store_loaded: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
+        self._shares = any(store.shared for store in self.stores)
+        self._published: list[tuple[int, bytes]] = []  # (pool block, key) published this step, for shared stores
 
     def attach(self, pool: BlockPool, prefix_caching: bool) -> None:
         """Published blocks the pool evicts go down to tier 1 (with prefix caching on)."""
@@ -88,6 +90,16 @@ class OffloadManager:
             self.host_tier.promote(slot, block.block_id)
         else:
             self.host_tier.load(block.block_id, self._store_loaded.pop(key))
+
+    def published(self, block_id: int, key: bytes) -> None:
+        """A block was published: a shared store gets it after the step computes it."""
+        if self._shares:
+            self._published.append((block_id, key))
+
+    def take_published(self) -> list[tuple[int, bytes]]:
+        """The blocks published since the last call (to write to shared stores after the step)."""
+        published, self._published = self._published, []
+        return published
 
     def discard(self, key: bytes) -> None:
         """The pool published ``key`` again: tier 1's copy is dropped (exclusive tiers)."""

@@ -1,6 +1,8 @@
 """A KV store shared by replicas: prefix blocks in a Redis (or Valkey) server, sealed as the disk
 tier seals them (block_store), under the same namespace and chained content keys. Replicas of
-one model and KV format on any node that reach the server find each other's blocks; a block of
+one model and KV format on any node that reach the server find each other's blocks (a block is
+written once the step that computes it is done, and again when the pool evicts it unless the
+server still has it); a block of
 another model or format is never read (its namespace differs), and a damaged one is a miss.
 
 A store that is down or slow never stops the engine: every call has a short timeout, a failure
@@ -38,6 +40,7 @@ class RemoteTier:
     is in the future the server is not contacted."""
 
     name = "remote"
+    shared = True
 
     def __init__(self, url: str, namespace_digest: str, block_bytes: int, ttl_s: int, timeout_s: float = 0.5,
                  retry_after_s: float = 5.0) -> None:

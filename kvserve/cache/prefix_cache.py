@@ -139,10 +139,14 @@ class PrefixCache:
 
     def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Publish a full block under its key (unless an equal block is); tiers stay exclusive,
-        so a lower tier's copy of it is dropped."""
+        so a lower tier's copy of it is dropped; a store shared with other engines gets it once
+        the step has computed it."""
+        fresh = block.block_hash is None and block_hash not in self.pool.cached_blocks
         self.pool.cache_block(block, block_hash)
         if block.block_hash == block_hash:
             self.offload.discard(block_hash)
+        if fresh:
+            self.offload.published(block.block_id, block_hash)
 
     def stats(self) -> PrefixCacheStats:
         cached = self.pool.cached_blocks.values()

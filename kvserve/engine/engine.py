@@ -154,6 +154,7 @@ class LLMEngine:
                 self.spec.proposer.free(victim.request_id)
         self.streaming_hook.before_forward(chunks)
         sampled = self.runner.execute(chunks)
+        self.kv_cache.share_published(self.kv_manager.take_published())
         self.kv_manager.record_step()  # peak figures as held during the forward pass
         self._watch_drift()
         for chunk in chunks:
