@@ -370,6 +370,7 @@ def test_a_lower_store_hit_is_read_once_while_its_request_waits(tmp_path: Path) 
     disk.flush()
     offload = OffloadManager(TierIndex("cpu", 2, 16 * 8 * 4), [disk], like)
     for _ in range(3):  # three steps in which the request finds its hit but cannot be admitted
+        offload.prefetch([key])  # as the prefix cache's lookup does before asking holds()
         assert offload.holds(key)
         offload.take_moves()
     assert disk.stats().hits == 1

@@ -110,8 +110,8 @@ class BackgroundWriter:
 
 
 class BlockStore(Protocol):
-    """A lower tier. Invariants: ``load`` returns a block only if it was put under the same
-    namespace and key and its bytes are intact (else None, counted in its stats' errors); ``put``
+    """A lower tier. Invariants: ``load_many`` returns a block only if it was put under the same
+    namespace and key and its bytes are intact (else it is left out, counted in its stats' errors); ``put``
     never blocks the engine's step (writes go in the background) and a failed write is dropped
     and counted; neither raises when the store's medium fails."""
 
@@ -119,13 +119,9 @@ class BlockStore(Protocol):
     shared: bool  # other engines read it: blocks are written once computed, not only when evicted
     load_seconds: deque[float]  # per block read back, until the metrics drain it
 
-    def __contains__(self, key: bytes) -> bool:
-        """Whether the store may hold ``key``, cheaply (a false positive costs a load that misses)."""
-
-    def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None: ...
-
     def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
-        """``load`` for several keys, in one request where the store can: the blocks found."""
+        """The blocks found among ``keys`` (each as one block of every tensor of ``like``, the
+        pool's per-block tensors), read in one request where the store can."""
 
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None: ...
 

@@ -110,7 +110,7 @@ class PagedKVCache:
             for slot, key in moves.spills:
                 store.put(key, self.host_store.read(slot))
             for block_id, key in moves.pool_spills:
-                store.put(key, [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()])
+                store.put(key, self._host_copy(block_id))
         self.host_store.run(self.per_block_tensors(), moves)
         for store in self.stores:  # write-through: what the pool evicts is kept below too
             for slot, key in moves.persist:
@@ -120,9 +120,13 @@ class PagedKVCache:
         """The blocks published this step, computed now, to the stores other engines read."""
         shared = [store for store in self.stores if store.shared]
         for block_id, key in published if shared else ():
-            tensors = [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()]
+            tensors = self._host_copy(block_id)
             for store in shared:
                 store.put(key, tensors)
+
+    def _host_copy(self, block_id: int) -> list[torch.Tensor]:
+        """Pool block ``block_id``'s per-block tensors, copied to host memory."""
+        return [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()]
 
     def take_load_seconds(self) -> list[tuple[str, float]]:
         """(tier, seconds) of each block loaded back into the pool since the last call."""

@@ -42,18 +42,13 @@ class OffloadManager:
             pool.on_evict = self.host_tier.demote
 
     def holds(self, key: bytes) -> bool:
-        """In tier 1, or in a lower store with its block read and verified (a bad one is a miss)."""
+        """In tier 1, or read and verified from a lower store by ``prefetch`` (which the prefix
+        cache calls first; a bad block is a miss)."""
         if self.host_tier is not None and key in self.host_tier:
             return True
         if key in self._store_loaded:
             self._store_loaded.move_to_end(key)
             return True
-        for store in self.stores:
-            if key in store:
-                tensors = store.load(key, self._block_like)
-                if tensors is not None:
-                    self._store_loaded[key] = tensors
-                    return True
         return False
 
     def prefetch(self, keys: list[bytes]) -> None:

@@ -35,8 +35,8 @@ KNOWN_KEYS = 1 << 16  # keys remembered as stored, so that they are not written 
 
 
 class RemoteTier:
-    """Invariants: ``load`` returns a block only if the server holds it sealed under this namespace
-    and key with its digest intact; no call raises because the server failed; while ``_down_until``
+    """Invariants: ``load_many`` returns a block only if the server holds it sealed under this
+    namespace and key with its digest intact; no call raises because the server failed; while ``_down_until``
     is in the future the server is not contacted."""
 
     name = "remote"
@@ -83,27 +83,6 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ reads (engine thread)
 
-    def __contains__(self, key: bytes) -> bool:
-        """Whether the server may hold the key: asking costs the round trip a load makes anyway,
-        so this says only whether the store is up; ``load`` finds out."""
-        return self._up()
-
-    def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The block's per-block tensors, or None: not there, the server failing, or a block
-        whose namespace, key, length or digest does not match (counted in ``errors``)."""
-        if not self._up():
-            return None
-        start = time.perf_counter()
-        try:
-            data = self._client.get(self._name(key))
-        except self._errors_seen as exc:
-            self._failed(exc, "reading a block")
-            return None
-        tensors = self._checked(key, data, like)
-        if tensors is not None:
-            self.load_seconds.append(time.perf_counter() - start)
-        return tensors
-
     def _checked(self, key: bytes, data: bytes | None, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The block ``data`` holds, if it is there and sealed under this namespace and key."""
         if data is None:
@@ -123,7 +102,9 @@ class RemoteTier:
         return block_tensors(payload, like)
 
     def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
-        """``load`` for many keys in one round trip per 256 (MGET)."""
+        """The blocks found among ``keys``, in one round trip per 256 (MGET); a block that is
+        missing, damaged or of another namespace is left out (damaged ones counted in ``errors``),
+        and nothing is read while the server rests after a failure."""
         found: dict[bytes, list[torch.Tensor]] = {}
         for start in range(0, len(keys), 256):
             if not self._up():
@@ -162,8 +143,10 @@ class RemoteTier:
         return when is not None and time.monotonic() - when < self.ttl_s / 2
 
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None:
-        """Queue a block (its per-block tensors, on the host) for the server, unless it is there."""
+        """Queue a block (its per-block tensors, on the host) for the server, unless it is there
+        or queued already (a failed write forgets every key: ``_failed``)."""
         if self._up() and not self._recently_stored(key):
+            self._remember(key)
             self._writer.submit(key, block_payload(tensors))
 
     def _write(self, key: bytes, payload: bytes) -> None:
@@ -176,7 +159,6 @@ class RemoteTier:
             return
         with self._lock:
             self.blocks_in += 1
-        self._remember(key)
 
     def flush(self) -> None:
         self._writer.flush()

@@ -292,7 +292,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        return {"prompt": str(tokenizer.decode(body.tokens))}
+        return {"prompt": _decode(body.tokens)}
 
     def _logprobs(out: RequestOutput, start: int, chat: bool, echo: list[int] | None = None) -> dict[str, Any] | None:
         """OpenAI logprobs for the output tokens from ``start`` on (None unless asked for): each
@@ -469,7 +469,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 usage.update(index, out)
                 if out.finished:
                     finished.add(index)
-                if not out.new_text and not out.finished:
+                if (not out.new_text or held) and not out.finished:
                     continue
                 part: dict[str, Any] = {"index": index, "logprobs": _logprobs(out, sent[index], chat),
                                         "finish_reason": out.finish_reason if out.finished else None}
@@ -477,13 +477,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     part["prompt_logprobs"] = _prompt_logprobs(out)
                     scored.add(index)
                 sent[index] = len(out.token_ids)
-                if isinstance(body, ChatCompletionRequest) and held:
-                    if not out.finished:
-                        continue
+                if isinstance(body, ChatCompletionRequest) and held:  # the whole turn, at its end
                     message, part["finish_reason"] = _chat_turn(body, out.text, out.finish_reason)
                     calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
                     part["delta"] = {"tool_calls": calls} if calls else {"content": out.text}
-                    part["logprobs"] = _logprobs(out, 0, chat=True)
                 else:
                     part.update({"delta": {"content": out.new_text}} if chat else {"text": out.new_text})
                 yield chunk([part], continuous)
