@@ -114,7 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                                 max_ongoing_requests=args.max_ongoing_requests,
                                 max_request_imbalance=args.router_max_request_imbalance,
-                                max_kv_imbalance=args.router_max_kv_imbalance)
+                                max_kv_imbalance=args.router_max_kv_imbalance,
+                                prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas)
+        cluster.check_engine(config.offload_config.kv_offload_remote)
         try:
             from kvserve.cluster.deploy import run
         except ImportError as exc:
@@ -180,6 +182,11 @@ def build_parser() -> Cli:
     scale = server.add_argument_group("scale-out on Ray Serve (optional extra kvserve[ray])")
     scale.add_argument("--ray", action="store_true", help="serve --num-replicas engines as Ray Serve replicas")
     scale.add_argument("--num-replicas", type=int, default=2)
+    scale.add_argument("--prefill-replicas", type=int, default=0,
+                       help="prefill/decode disaggregation: replicas that only compute prompts, handing their KV to "
+                            "--decode-replicas through --kv-offload-remote (default: off)")
+    scale.add_argument("--decode-replicas", type=int, default=0,
+                       help="with --prefill-replicas: replicas that decode (they replace --num-replicas)")
     scale.add_argument("--router", default="kv-aware", choices=ROUTER_NAMES,
                        help="replica choice: longest expected cached prefix within load bounds (kv-aware), Ray's "
                             "default (power-of-two) or in turn (default: %(default)s)")

@@ -82,6 +82,32 @@ def test_choose_replica_affinity_within_load_bounds() -> None:
         choose_replica(index, prompt, {}, 4, 0.3)
 
 
+def test_a_prefix_in_the_shared_store_counts_on_every_replica() -> None:
+    index = PrefixIndex(1000, shared_capacity_blocks=6)
+    index.sync(["a", "b", "c"])
+    document = keys(list(range(16)))
+    index.insert("a", document)
+    assert index.shared_blocks(document) == 4 and index.matched_blocks("b", document) == 0
+    # a holds it in its pool: it wins while loads tie; the others serve it from the store when a is busier
+    idle = {"a": Load(0), "b": Load(0), "c": Load(0)}
+    assert choose_replica(index, document, idle, 8, 1.0) == ("a", 4, "affinity")
+    assert choose_replica(index, document, {"a": Load(1), "b": Load(0), "c": Load(0)}, 8, 1.0,
+                          {"b": 2, "c": 1}) == ("c", 4, "shared")
+    # a longer prefix in a's own pool still beats the shared one, within the load bounds
+    index.insert("a", keys(list(range(24))))  # 6 blocks: the shared list keeps 6
+    longer = keys(list(range(28)))
+    assert index.shared_blocks(longer) == 6
+    index.insert("b", keys(list(range(200, 204))))  # the shared list drops the oldest block: a chain miss
+    assert index.shared_blocks(longer) == 0 and index.matched_blocks("a", longer) == 6
+    assert choose_replica(index, longer, {"a": Load(3), "b": Load(0), "c": Load(0)}, 8, 1.0).reason == "affinity"
+    # without a shared store nothing is shared
+    alone = PrefixIndex(1000)
+    alone.insert("a", document)
+    assert alone.shared_blocks(document) == 0
+    with pytest.raises(ValueError, match="shared_capacity_blocks"):
+        PrefixIndex(10, -1)
+
+
 def test_cluster_config_names_bad_values() -> None:
     with pytest.raises(ConfigError, match=r"--router must be one of .* got 'random'"):
         ClusterConfig(router="random")
@@ -89,6 +115,29 @@ def test_cluster_config_names_bad_values() -> None:
         ClusterConfig(num_replicas=0)
     with pytest.raises(ConfigError, match="--router-max-kv-imbalance"):
         ClusterConfig(max_kv_imbalance=1.5)
+    with pytest.raises(ConfigError, match=r"--prefill-replicas and --decode-replicas go together .* got 1 and 0"):
+        ClusterConfig(prefill_replicas=1)
+    with pytest.raises(ConfigError, match="--decode-replicas must be >= 0, got -1"):
+        ClusterConfig(prefill_replicas=1, decode_replicas=-1)
+    split = ClusterConfig(prefill_replicas=1, decode_replicas=3)
+    assert split.disaggregated and split.num_replicas == 3
+    with pytest.raises(ConfigError, match="give --kv-offload-remote"):
+        split.check_engine(None)
+    split.check_engine("redis://127.0.0.1:6379/0")
+    ClusterConfig().check_engine(None)  # no disaggregation: no store needed
+
+
+def test_the_prefill_copy_of_a_request_asks_one_token_without_streaming() -> None:
+    from kvserve.cluster.deploy import prefill_body
+
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 50, "stream": True, "n": 3, "logprobs": 2,
+            "stream_options": {"include_usage": True}, "echo": True, "temperature": 0.7}
+    copy = json.loads(prefill_body(json.dumps(body).encode()) or b"")
+    assert copy == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False, "n": 1, "temperature": 0.7}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+    assert json.loads(prefill_body(json.dumps(chat).encode()) or b"")["max_tokens"] == 1
+    assert prefill_body(b"not json") is None and prefill_body(b"[1]") is None
+    assert prefill_body(json.dumps({**body, "prompt_logprobs": 1}).encode()) is None
 
 
 def _toy_app() -> FastAPI:

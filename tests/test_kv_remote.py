@@ -162,3 +162,34 @@ def test_a_block_reaches_the_store_once_computed_not_only_when_evicted(setup, se
     outputs = _one_by_one(second, prompts[4:], PARAMS)
     assert [o.token_ids for o in outputs] == expected[4:]
     assert all(o.num_cached_tokens >= 256 for o in outputs)  # every document's blocks from the store
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_a_prefill_engine_hands_a_prompt_to_a_decode_engine_through_the_store(
+        kv_dtype: str, tiny_model_factory: Callable[..., Path], server: RedisServer) -> None:
+    """Disaggregation's hand-off as the Ray replicas do it: one engine computes the prompt and one
+    token; once its shared writes are done another engine decodes. The decode engine reads every
+    full block but the last token's from the store (the planner's bytes for those tokens, no
+    more), and its greedy tokens equal one engine's."""
+    from kvserve.plan import ModelSpec, plan
+
+    path = str(tiny_model_factory("llama"))
+    common: dict[str, Any] = dict(block_size=16, max_model_len=320, max_num_seqs=2, kv_cache_dtype=kv_dtype)
+    prompts = documents(num_docs=3, length=190, questions=1)
+    prompts[2] = prompts[2][:177]  # 11 full blocks and one token: the last token's block is recomputed anyway
+    expected = [o.token_ids for o in _one_by_one(LLM(path, **common, kv_cache_memory="8MiB"), prompts, PARAMS)]
+    prefill, decode = (LLM(path, **common, kv_cache_memory="8MiB", kv_offload_memory="1MiB",
+                           kv_offload_remote=server.url) for _ in range(2))
+    per_token = plan(ModelSpec.from_model(path), device_memory="1TB", kv_dtype=kv_dtype, block_size=16,
+                     key_scales="block").kv_bytes_per_token
+    store = remote_of(decode)
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        prefill.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        assert all(written.wait(10) for written in prefill.engine.shared_writes())
+        read_before = store.stats().blocks_out
+        output = decode.generate([prompt], PARAMS)[0]
+        assert output.token_ids == tokens
+        handed = (len(prompt) - 1) // 16 * 16
+        assert output.num_cached_tokens == handed
+        assert (store.stats().blocks_out - read_before) * store.block_bytes == handed * per_token
+    assert store.stats().errors == 0

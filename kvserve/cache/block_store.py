@@ -73,7 +73,7 @@ class BackgroundWriter:
 
     def __init__(self, write: Callable[[bytes, bytes], None], name: str) -> None:
         self._write = write
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[bytes, bytes] | threading.Event | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -93,6 +93,13 @@ class BackgroundWriter:
         """Wait until every submitted write is done (tests, shutdown)."""
         self._queue.join()
 
+    def written(self) -> threading.Event:
+        """An event set once every write submitted before this call is done (writes go in
+        order; unlike ``flush`` it does not wait for later ones). Any thread may call it."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done
+
     def close(self) -> None:
         """Write what is submitted, then stop the thread."""
         self._queue.put(None)
@@ -104,9 +111,27 @@ class BackgroundWriter:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                if isinstance(item, threading.Event):
+                    item.set()
+                else:
+                    self._write(*item)
             finally:
                 self._queue.task_done()
+
+
+class WritesInBackground:
+    """``flush``, ``written`` and ``close`` for a store whose writes go through ``self._writer``."""
+
+    _writer: BackgroundWriter
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def written(self) -> threading.Event:
+        return self._writer.written()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class BlockStore(Protocol):
@@ -126,6 +151,9 @@ class BlockStore(Protocol):
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None: ...
 
     def flush(self) -> None: ...
+
+    def written(self) -> threading.Event:
+        """Set once every block ``put`` before this call is written or dropped (any thread)."""
 
     def close(self) -> None: ...
 

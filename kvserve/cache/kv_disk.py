@@ -20,13 +20,21 @@ from pathlib import Path
 
 import torch
 
-from kvserve.cache.block_store import HEADER, BackgroundWriter, block_payload, block_tensors, seal, unseal
+from kvserve.cache.block_store import (
+    HEADER,
+    BackgroundWriter,
+    WritesInBackground,
+    block_payload,
+    block_tensors,
+    seal,
+    unseal,
+)
 from kvserve.cache.kv_tiers import TierStats
 
 logger = logging.getLogger("kvserve")
 
 
-class DiskTier:
+class DiskTier(WritesInBackground):
     """Block files under ``root/<namespace>/``, LRU within ``capacity_bytes``.
 
     Invariants: ``index`` lists exactly the keys whose files were completely written (and not
@@ -99,11 +107,6 @@ class DiskTier:
             return
         self._writer.submit(key, block_payload(tensors))
 
-    def flush(self) -> None:
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
 
     def _write(self, key: bytes, payload: bytes) -> None:
         path = self._path(key)

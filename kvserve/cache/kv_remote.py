@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvserve.cache.block_store import BackgroundWriter, block_payload, block_tensors, seal, unseal
+from kvserve.cache.block_store import BackgroundWriter, WritesInBackground, block_payload, block_tensors, seal, unseal
 from kvserve.cache.kv_tiers import TierStats
 from kvserve.config import ConfigError
 
@@ -34,7 +34,7 @@ logger = logging.getLogger("kvserve")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, so that they are not written again
 
 
-class RemoteTier:
+class RemoteTier(WritesInBackground):
     """Invariants: ``load_many`` returns a block only if the server holds it sealed under this
     namespace and key with its digest intact; no call raises because the server failed; while ``_down_until``
     is in the future the server is not contacted."""
@@ -160,11 +160,6 @@ class RemoteTier:
         with self._lock:
             self.blocks_in += 1
 
-    def flush(self) -> None:
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
 
     def stats(self) -> TierStats:
         """Blocks read and written by this engine (the server's own size is its business)."""

@@ -9,9 +9,19 @@ prompt's block keys for the kv-aware router, forwards the request, and turns a r
 died into a 503 (a stream that already started ends with an error event). Replicas push their
 Prometheus text to a MetricsBoard actor each time Ray polls their routing stats; the ingress's
 /metrics merges it, labelled by replica, with the router's counters.
+
+Prefill/decode disaggregation (``--prefill-replicas``/``--decode-replicas``) adds a second
+deployment of ReplicaServer, ``PrefillServer``: the ingress first sends a completion request,
+cut to one output token, to a prefill replica, which answers once the prompt's blocks are in the
+shared store (``--kv-offload-remote``, written as each step computes them); then it forwards the
+request itself to a decode replica, whose prefix lookup reads those blocks. The store, not Ray's
+object store, carries them: blocks there are already sealed and verified on read, any replica on
+any node reaches them, and a later request with the same prefix hits them too. A prefill that
+fails costs only time: the decode replica computes the prompt itself.
 """
 
 # no `from __future__ import annotations`: Ray's ingress reads the route signatures' types at run time
+import asyncio
 import json
 import logging
 import signal
@@ -39,6 +49,8 @@ from kvserve.server.app import APIError, ServerConfig
 
 logger = logging.getLogger("kvserve")
 STATS_PERIOD_S = 1.0  # how often Ray polls each replica's routing stats (and its metrics are pushed)
+SHARED_WRITE_TIMEOUT_S = 30.0  # a prefill replica's wait for its blocks to reach the shared store
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @ray.remote(num_cpus=0)
@@ -92,6 +104,17 @@ class ReplicaServer:
         async for part in call_asgi(self.app, request, self.replica):
             yield part
 
+    async def prefill(self, request: ForwardedRequest) -> int:
+        """Serve ``request`` (a prefill-only copy of a completion request) and return its HTTP
+        status once the blocks its prompt filled are in the shared store."""
+        status = 500
+        async for part in call_asgi(self.app, request, self.replica):
+            if isinstance(part, ResponseStart):
+                status = part.status
+        for written in self.engine.engine.shared_writes():
+            await asyncio.to_thread(written.wait, SHARED_WRITE_TIMEOUT_S)
+        return status
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Ray every STATS_PERIOD_S: what the kv-aware router weighs; the replica's
         metrics go to the board on the same beat."""
@@ -129,6 +152,22 @@ async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(error.body())}\n\n".encode()
 
 
+def prefill_body(body: bytes) -> bytes | None:
+    """The prefill replica's copy of a completion request: the same prompt, one output token, no
+    streaming; None when a prefill would not help (prompt_logprobs: the decode replica computes
+    such a prompt whole) or the body is no JSON object (the decode replica names the problem)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict) or request.get("prompt_logprobs"):
+        return None
+    for key in ("max_completion_tokens", "stream_options", "min_tokens", "logprobs", "top_logprobs", "echo"):
+        request.pop(key, None)
+    request.update(max_tokens=1, stream=False, n=1)
+    return json.dumps(request).encode()
+
+
 ingress_app = FastAPI(title="kvserve (Ray Serve)", docs_url=None, redoc_url=None)
 
 
@@ -137,10 +176,12 @@ class Ingress:
     """The OpenAI endpoint: forwards every route to a replica chosen by the router. (Ray pickles
     this class when it is decorated: whatever it calls must be defined above it.)"""
 
-    def __init__(self, replicas: DeploymentHandle, model: str, block_size: int, board: Any) -> None:
+    def __init__(self, replicas: DeploymentHandle, model: str, block_size: int, board: Any,
+                 prefill_replicas: DeploymentHandle | None = None) -> None:
         from kvserve.model.loader import load_tokenizer, resolve_model_path
 
         self.replicas = replicas.options(stream=True)
+        self.prefill_replicas = prefill_replicas
         self.block_size = block_size
         self.tokenizer = load_tokenizer(resolve_model_path(model))
         self.board = board
@@ -151,7 +192,7 @@ class Ingress:
         from kvserve.llm import chat_token_ids
         from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
-        if self.tokenizer is None or path not in ("/v1/completions", "/v1/chat/completions"):
+        if self.tokenizer is None or path not in COMPLETION_PATHS:
             return ()
         try:
             if path == "/v1/chat/completions":
@@ -163,6 +204,20 @@ class Ingress:
         except Exception:  # any invalid body: the replica's validation names the problem
             return ()
         return tuple(prompt_block_hashes(ids, self.block_size))
+
+    async def _prefill(self, request: ForwardedRequest) -> None:
+        """With disaggregation: the prompt computed on a prefill replica, its blocks in the shared
+        store, before the decode replica gets the request. A failure is logged and counted: the
+        decode replica then computes the prompt itself."""
+        body = prefill_body(request.body)
+        if self.prefill_replicas is None or not request.block_keys or body is None:
+            return
+        try:
+            status = await self.prefill_replicas.prefill.remote(request._replace(body=body))
+        except (RayActorError, ActorUnavailableError) as exc:
+            logger.warning("a prefill replica failed (%s): the decode replica computes the prompt", exc)
+            status = 0
+        router_metrics.PREFILLS.labels("done" if status == 200 else "failed").inc()
 
     def _open(self, request: ForwardedRequest) -> DeploymentResponseGenerator:
         stream = self.replicas.remote(request)
@@ -181,6 +236,7 @@ class Ingress:
         headers = [(k.lower(), v) for k, v in request.headers.raw if k.lower() != b"host"]
         forwarded = ForwardedRequest(request.method, request.url.path, request.url.query.encode(), headers, body,
                                      self.block_keys(request.url.path, body))
+        await self._prefill(forwarded)
         for _attempt in range(2):  # a busy replica's 503: once more, elsewhere
             stream = self._open(forwarded)
             try:
@@ -205,25 +261,34 @@ class Ingress:
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig) -> Any:
-    """The Serve application: N replicas with the chosen router, behind the ingress."""
+    """The Serve application: N replicas with the chosen router, behind the ingress (and with
+    disaggregation, the prefill replicas beside them)."""
+    cluster.check_engine(engine_config.offload_config.kv_offload_remote)
     board = MetricsBoard.remote()  # type: ignore[attr-defined]
     router_settings: dict[str, Any] = {
         "request_router_class": routers.ROUTERS[cluster.router],
-        "request_router_kwargs": {"max_request_imbalance": cluster.max_request_imbalance,
-                                  "max_kv_imbalance": cluster.max_kv_imbalance} if cluster.router == "kv-aware" else {},
+        "request_router_kwargs": {
+            "max_request_imbalance": cluster.max_request_imbalance, "max_kv_imbalance": cluster.max_kv_imbalance,
+            "shared_store": engine_config.offload_config.kv_offload_remote is not None,
+        } if cluster.router == "kv-aware" else {},
         "request_routing_stats_period_s": STATS_PERIOD_S, "request_routing_stats_timeout_s": 5 * STATS_PERIOD_S}
     router = RequestRouterConfig(**router_settings)
     deployment = cast(Any, serve.deployment)  # its overloads confuse mypy with a class argument
     gpus = cluster.gpus_per_replica or (1.0 if engine_config.model_config.device.startswith("cuda") else 0.0)
-    replica = deployment(ReplicaServer).options(
-        num_replicas=cluster.num_replicas, max_ongoing_requests=cluster.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cluster.cpus_per_replica, "num_gpus": gpus},
-        request_router_config=router, health_check_period_s=2, health_check_timeout_s=10)
+    threads = max(1, int(cluster.cpus_per_replica))
+
+    def replicas(name: str, count: int) -> Any:
+        return deployment(ReplicaServer).options(
+            name=name, num_replicas=count, max_ongoing_requests=cluster.max_ongoing_requests,
+            ray_actor_options={"num_cpus": cluster.cpus_per_replica, "num_gpus": gpus},
+            request_router_config=router, health_check_period_s=2, health_check_timeout_s=10,
+        ).bind(engine_config, server_config, threads, board)
+
+    prefill = replicas("PrefillServer", cluster.prefill_replicas) if cluster.disaggregated else None
     ingress = deployment(Ingress).options(
         num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
-    threads = max(1, int(cluster.cpus_per_replica))
-    return ingress.bind(replica.bind(engine_config, server_config, threads, board), engine_config.model_config.model,
-                        engine_config.cache_config.block_size, board)
+    return ingress.bind(replicas("ReplicaServer", cluster.num_replicas), engine_config.model_config.model,
+                        engine_config.cache_config.block_size, board, prefill)
 
 
 def deploy(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig, host: str,
@@ -239,8 +304,12 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, cluster: Clust
     """Start (or join) Ray, deploy, serve until SIGTERM/SIGINT, then tear the application down."""
     ray.init(address=cluster.ray_address, ignore_reinit_error=True, log_to_driver=True)
     deploy(engine_config, server_config, cluster, host, port)
-    logger.info("serving %d kvserve replicas (router %s) at http://%s:%d", cluster.num_replicas, cluster.router,
-                host, port)
+    if cluster.disaggregated:
+        logger.info("serving %d prefill and %d decode kvserve replicas (router %s) at http://%s:%d",
+                    cluster.prefill_replicas, cluster.decode_replicas, cluster.router, host, port)
+    else:
+        logger.info("serving %d kvserve replicas (router %s) at http://%s:%d", cluster.num_replicas,
+                    cluster.router, host, port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -6,6 +6,10 @@ the chained block keys of the prompts it *sent* to each replica (the keys the re
 cache uses), not what the replica really kept. Each replica's record is an LRU list bounded by
 ``capacity_blocks`` (about the replica's pool), so the index forgets in roughly the order the
 replica evicts; replicas may also report evictions (``forget``).
+
+With a store every replica reads (``--kv-offload-remote``), a block computed anywhere is written
+there once its step is done, so the index also keeps one shared LRU list: a prefix in it is a
+hit on every replica (a slower one than the replica's own pool, so it only breaks ties of load).
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ ReplicaKey = str  # a replica's id
 
 
 class PrefixIndex:
-    """Per replica, an LRU set of block keys. Invariant: every replica's set holds at most
-    ``capacity_blocks`` keys, the most recently routed last."""
+    """Per replica, an LRU set of block keys, and with ``shared_capacity_blocks`` one more for the
+    shared store. Invariant: every set holds at most its capacity, the most recently routed last."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, shared_capacity_blocks: int = 0) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        if shared_capacity_blocks < 0:
+            raise ValueError(f"shared_capacity_blocks must be >= 0, got {shared_capacity_blocks}")
         self.capacity_blocks = capacity_blocks
+        self.shared_capacity_blocks = shared_capacity_blocks
         self._blocks: dict[ReplicaKey, OrderedDict[bytes, None]] = {}
+        self._shared: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def replicas(self) -> list[ReplicaKey]:
@@ -43,25 +51,19 @@ class PrefixIndex:
             self._blocks[new] = OrderedDict()
 
     def matched_blocks(self, replica: ReplicaKey, keys: list[bytes]) -> int:
-        """How many of ``keys``' leading blocks ``replica`` is believed to hold."""
-        held = self._blocks.get(replica)
-        if not held:
-            return 0
-        count = 0
-        for key in keys:  # chained keys: a miss ends the shared prefix
-            if key not in held:
-                break
-            count += 1
-        return count
+        """How many of ``keys``' leading blocks ``replica`` is believed to hold in its own pool."""
+        return _leading(self._blocks.get(replica), keys)
+
+    def shared_blocks(self, keys: list[bytes]) -> int:
+        """How many of ``keys``' leading blocks the shared store is believed to hold (0 without one)."""
+        return _leading(self._shared, keys)
 
     def insert(self, replica: ReplicaKey, keys: list[bytes]) -> None:
-        """``replica`` was sent a prompt with these block keys: they become its most recent."""
-        held = self._blocks.setdefault(replica, OrderedDict())
-        for key in keys:
-            held[key] = None
-            held.move_to_end(key)
-        while len(held) > self.capacity_blocks:
-            held.popitem(last=False)
+        """``replica`` was sent a prompt with these block keys: they become its most recent (and
+        the shared store's, which the replica writes them to)."""
+        _touch(self._blocks.setdefault(replica, OrderedDict()), keys, self.capacity_blocks)
+        if self.shared_capacity_blocks:
+            _touch(self._shared, keys, self.shared_capacity_blocks)
 
     def forget(self, replica: ReplicaKey, keys: Iterable[bytes]) -> None:
         """``replica`` reports it evicted these blocks."""
@@ -69,6 +71,25 @@ class PrefixIndex:
         if held is not None:
             for key in keys:
                 held.pop(key, None)
+
+
+def _leading(held: OrderedDict[bytes, None] | None, keys: list[bytes]) -> int:
+    if not held:
+        return 0
+    count = 0
+    for key in keys:  # chained keys: a miss ends the shared prefix
+        if key not in held:
+            break
+        count += 1
+    return count
+
+
+def _touch(held: OrderedDict[bytes, None], keys: list[bytes], capacity: int) -> None:
+    for key in keys:
+        held[key] = None
+        held.move_to_end(key)
+    while len(held) > capacity:
+        held.popitem(last=False)
 
 
 class Load(NamedTuple):
@@ -82,15 +103,18 @@ class Load(NamedTuple):
 class Route(NamedTuple):
     replica: ReplicaKey
     matched_blocks: int
-    # "affinity": longest cached prefix; "balance-requests" / "balance-kv": affinity lost to the
-    # request or the KV-usage bound; "spread": no prefix held
+    # "affinity": longest cached prefix, in the replica's pool; "shared": as long a prefix, read
+    # from the shared store; "balance-requests" / "balance-kv": affinity lost to the request or
+    # the KV-usage bound; "spread": no prefix held
     reason: str
 
 
 def choose_replica(index: PrefixIndex, keys: list[bytes], loads: dict[ReplicaKey, Load],
                    max_request_imbalance: float, max_kv_imbalance: float,
                    last_chosen: dict[ReplicaKey, int] | None = None) -> Route:
-    """The replica with the longest expected cached prefix, unless its load exceeds the
+    """The replica with the longest expected cached prefix (its own pool's, or the shared
+    store's, which every replica reads: then the least-loaded one, its own blocks breaking ties),
+    unless its load exceeds the
     least-loaded replica's by more than ``max_request_imbalance`` requests or
     ``max_kv_imbalance`` of KV usage (balance beats affinity): then the least-loaded one. Without
     a match, the replicas within those bounds take turns: the one chosen least recently
@@ -115,13 +139,15 @@ def choose_replica(index: PrefixIndex, keys: list[bytes], loads: dict[ReplicaKey
             return "balance-kv"
         return None
 
-    matches = {replica: index.matched_blocks(replica, keys) for replica in loads}
-    best = max(loads, key=lambda r: (matches[r], -loads[r].requests, -loads[r].kv_usage))
-    if matches[best] == 0:  # the least-loaded replica is always within the bounds
+    shared = index.shared_blocks(keys)
+    own = {replica: index.matched_blocks(replica, keys) for replica in loads}
+    reach = {replica: max(own[replica], shared) for replica in loads}
+    best = max(loads, key=lambda r: (reach[r], -loads[r].requests, own[r], -loads[r].kv_usage, -recency(r)))
+    if reach[best] == 0:  # the least-loaded replica is always within the bounds
         return Route(min((r for r in loads if over(r) is None), key=recency), 0, "spread")
     bound = over(best)
     if bound is None:
-        return Route(best, matches[best], "affinity")
+        return Route(best, reach[best], "affinity" if own[best] == reach[best] else "shared")
     lightest = min(loads.values())
     by_load = min((r for r in loads if loads[r] == lightest), key=recency)
-    return Route(by_load, matches[by_load], bound)
+    return Route(by_load, reach[by_load], bound)

@@ -13,3 +13,6 @@ PROMPT_BLOCKS = Counter("kvserve:router_prompt_blocks", "Full prompt blocks of t
                         registry=ROUTER_REGISTRY)
 MATCHED_BLOCKS = Counter("kvserve:router_matched_blocks", "Prompt blocks the chosen replica was believed to hold "
                          "(kv-aware: the index's expected prefix hits)", registry=ROUTER_REGISTRY)
+PREFILLS = Counter("kvserve:disaggregated_prefills", "Prompts sent to a prefill replica before their decode replica, "
+                   "by outcome (done; failed: the decode replica computed the prompt itself)", ["outcome"],
+                   registry=ROUTER_REGISTRY)

@@ -78,14 +78,17 @@ class KVAwareRouter(RequestRouter):
     """Longest expected cached prefix first (PrefixIndex over the block keys the ingress
     computed), unless that replica is busier than the least-loaded one by more than
     ``max_request_imbalance`` requests or ``max_kv_imbalance`` KV usage; requests with no cached
-    prefix take turns over the replicas within those bounds (see ``choose_replica``)."""
+    prefix take turns over the replicas within those bounds (see ``choose_replica``). With
+    ``shared_store`` (the replicas share a remote KV store) a prefix routed anywhere counts on
+    every replica, so such requests go to the least-loaded one."""
 
     def initialize_state(self, max_request_imbalance: float = MAX_REQUEST_IMBALANCE,
                          max_kv_imbalance: float = MAX_KV_IMBALANCE,
-                         index_capacity_blocks: int = 65536, **kwargs: Any) -> None:
+                         index_capacity_blocks: int = 65536, shared_store: bool = False, **kwargs: Any) -> None:
         self.max_request_imbalance = max_request_imbalance
         self.max_kv_imbalance = max_kv_imbalance
-        self.index = PrefixIndex(index_capacity_blocks)
+        # the shared store outlasts any one pool: remember more of it
+        self.index = PrefixIndex(index_capacity_blocks, 4 * index_capacity_blocks if shared_store else 0)
         # request id -> the route it is counted against, from its choice until it completes. The
         # load of a replica is the number of such requests: counted when chosen, not when routed,
         # since Ray may call choose_replicas for the next request before routing this one, and
@@ -144,7 +147,8 @@ class KVAwareRouter(RequestRouter):
         if request is not None and request.block_keys:
             keys = list(request.block_keys)
             router_metrics.PROMPT_BLOCKS.inc(len(keys))
-            router_metrics.MATCHED_BLOCKS.inc(self.index.matched_blocks(replica, keys))
+            router_metrics.MATCHED_BLOCKS.inc(max(self.index.matched_blocks(replica, keys),
+                                                  self.index.shared_blocks(keys)))
             self.index.insert(replica, keys)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:

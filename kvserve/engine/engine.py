@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -222,6 +223,12 @@ class LLMEngine:
     def take_tier_load_seconds(self) -> list[tuple[str, float]]:
         """(tier, seconds) of each block loaded back into the pool since the last call."""
         return self.kv_cache.take_load_seconds()
+
+    def shared_writes(self) -> list[threading.Event]:
+        """One event per shared store, set once every block handed to it so far is written: a
+        prefill replica waits on them before a decode replica reads the prompt's blocks (any
+        thread may call it)."""
+        return [store.written() for store in self.kv_manager.stores if store.shared]
 
     def close(self) -> None:
         """Finish what outlives the engine: the lower stores' queued block writes, so a restart (or
