@@ -87,9 +87,13 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default="docs/results/kv_tiers.json")
+    parser.add_argument("--restart-only", action="store_true", help="only the warm-disk restart, printed")
     args = parser.parse_args()
     torch.set_num_threads(2)
     loaded = load_model("smollm2-135m", torch.device("cpu"), getattr(torch, args.dtype))
+    if args.restart_only:
+        warm_restart(loaded, args)
+        return
     vocab = loaded.config.vocab_size
     workloads = {
         "doc-qa": (doc_qa(num_docs=8, doc_len=1024, questions=3, vocab=vocab), 2048),
@@ -141,8 +145,10 @@ def warm_restart(loaded: Any, args: argparse.Namespace) -> dict[str, Any]:
     one (empty directory) prefills it. TTFT of that first repeated document, median of 3."""
     requests = doc_qa(num_docs=8, doc_len=1024, questions=3, vocab=loaded.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    scale = next(loaded.model.parameters()).element_size() // 2  # float32 KV takes twice bf16's bytes
     common = dict(loaded=loaded, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, max_model_len=2048,
-                  max_num_seqs=4, kv_cache_memory="64MiB", kv_offload_memory="16MiB", kv_offload_disk_size="4GiB")
+                  max_num_seqs=4, kv_cache_memory=f"{64 * scale}MiB", kv_offload_memory=f"{16 * scale}MiB",
+                  kv_offload_disk_size="4GiB")
     warm_dir = tempfile.mkdtemp(prefix="kvserve-disk-")
     first = LLM(**common, kv_offload_disk=warm_dir)  # type: ignore[arg-type]
     for prompt, _ in requests:

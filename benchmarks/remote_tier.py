@@ -9,6 +9,12 @@ engine on the same store, and replica C, a fresh engine without one, are each as
 about every document (the document plus 16 tokens, one output token: the time is the prefill's).
 Reported per replica: the mean time to the first token, the blocks B read from the store and the
 time per block (fetched, verified, copied into the pool).
+
+Then the hand-off of prefill/decode disaggregation, as the Ray replicas run it: a prefill engine
+P computes a new document's question with one output token, waits until its blocks are written
+(``LLMEngine.shared_writes``), and a decode engine D answers the same prompt from the store.
+Reported: P's time, the wait for the writes still queued when P answered, D's time to its first
+token, and the bytes D read per request against the planner's bytes for those tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,16 +59,51 @@ def ask(llm: LLM, prompts: list[list[int]]) -> list[float]:
     return seconds
 
 
+def hand_off(common: dict[str, Any], pool: int, tier1: int, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill on P, write barrier, decode on D, for documents neither has seen."""
+    from kvserve.plan import ModelSpec, plan
+
+    docs = [[(29 * d + 11 * i) % 30000 + 100 for i in range(args.doc_tokens)] for d in range(100, 100 + args.docs)]
+    prompts = [doc + [60 + q for q in range(16)] for doc in docs]
+    prefill, decode = (LLM(**common, kv_cache_memory=pool, kv_offload_memory=tier1, kv_offload_remote=url)  # type: ignore[arg-type]
+                       for _ in range(2))
+    ask(prefill, [[1, 2, 3]])
+    ask(decode, [[4, 5, 6]])
+    store = next(s for s in decode.engine.kv_manager.stores if isinstance(s, RemoteTier))
+    block_bytes = store.block_bytes
+    rows = []
+    for prompt in prompts:
+        (prefill_s,) = ask(prefill, [prompt])
+        began = time.perf_counter()
+        for written in prefill.engine.shared_writes():
+            written.wait(30)
+        wait_s = time.perf_counter() - began
+        read_before = store.stats().blocks_out
+        (decode_s,) = ask(decode, [prompt])
+        rows.append((prefill_s, wait_s, decode_s, (store.stats().blocks_out - read_before) * block_bytes))
+    weights = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[common["dtype"]]  # KV "auto" follows them
+    per_token = plan(ModelSpec.from_model("smollm2-135m"), device_memory="1TB", weight_dtype=weights,
+                     kv_dtype=common["kv_cache_dtype"], key_scales="block", block_size=16).kv_bytes_per_token
+    handed = (len(prompts[0]) - 1) // 16 * 16
+    return {"prefill_s": statistics.mean(r[0] for r in rows),
+            "write_wait_ms": 1e3 * statistics.mean(r[1] for r in rows),
+            "decode_ttft_s": statistics.mean(r[2] for r in rows),
+            "bytes_read_per_request": statistics.mean(r[3] for r in rows),
+            "planner_bytes_for_handed_tokens": handed * per_token, "handed_tokens": handed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=6)
     parser.add_argument("--doc-tokens", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     docs = [[(31 * d + 7 * i) % 30000 + 100 for i in range(args.doc_tokens)] for d in range(args.docs)]
     questions = [doc + [50 + q for q in range(16)] for doc in docs]
-    common = dict(model="smollm2-135m", dtype=args.dtype, block_size=16, max_num_seqs=4)
+    common = dict(model="smollm2-135m", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=16,
+                  max_num_seqs=4)
     probe = LLM(**common, kv_cache_memory="64MiB")  # type: ignore[arg-type]
     pool = (2 * args.doc_tokens // 16 + 8) * probe.engine.kv_block_bytes
     tier1 = (args.doc_tokens // 16) * probe.engine.kv_block_bytes
@@ -79,21 +121,26 @@ def main() -> None:
             recompute = LLM(**common, kv_cache_memory=pool)  # type: ignore[arg-type]
             ask(recompute, [questions[0]])  # warm-up: the first prefill of a process is slow
             ask(second, [[1, 2, 3]])
-            from_store, recomputed = [], []
+            from_store, recomputed, in_pool = [], [], []
             for question in questions:  # alternate, so drift in the machine falls on both alike
                 from_store += ask(second, [question])
+                in_pool += ask(second, [question])  # the same prompt again: every block in B's pool now
                 recomputed += ask(recompute, [question])
             remote = next(s for s in second.engine.kv_manager.stores if isinstance(s, RemoteTier))
             loads = [seconds for name, seconds in second.engine.take_tier_load_seconds() if name == "remote"]
+            handoff = hand_off(common, pool, tier1, url, args)
         finally:
             server.kill()
     result = {
-        "docs": args.docs, "doc_tokens": args.doc_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "docs": args.docs, "doc_tokens": args.doc_tokens, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+        "threads": torch.get_num_threads(),
         "block_bytes": second.engine.kv_block_bytes, "blocks_written_by_a": written,
         "blocks_read_by_b": remote.stats().hits, "remote_errors": remote.stats().errors,
         "ttft_from_store_s": statistics.mean(from_store), "ttft_recompute_s": statistics.mean(recomputed),
         "ratio": statistics.mean(from_store) / statistics.mean(recomputed),
+        "ttft_pool_hit_s": statistics.mean(in_pool),
         "load_ms_per_block": 1e3 * statistics.median(loads) if loads else None,
+        "disaggregated": handoff,
     }
     print(json.dumps(result, indent=1))
     if args.out is not None:

@@ -363,12 +363,11 @@ def test_a_lower_store_hit_is_read_once_while_its_request_waits(tmp_path: Path) 
     from kvserve.cache.kv_offload import OffloadManager
     from kvserve.cache.kv_tiers import TierIndex
 
-    like = [torch.zeros(4, 16, 8)]  # the pool's per-block tensors: 4 blocks of 16 x 8 float32
     disk = DiskTier(tmp_path, 1 << 20, namespace("test"), 16 * 8 * 4)
     key = bytes(range(32))
     disk.put(key, [torch.arange(16 * 8, dtype=torch.float32).view(16, 8)])
     disk.flush()
-    offload = OffloadManager(TierIndex("cpu", 2, 16 * 8 * 4), [disk], like)
+    offload = OffloadManager(TierIndex("cpu", 2, 16 * 8 * 4), [disk])
     for _ in range(3):  # three steps in which the request finds its hit but cannot be admitted
         offload.prefetch([key])  # as the prefix cache's lookup does before asking holds()
         assert offload.holds(key)

@@ -34,51 +34,53 @@ def namespace(*parts: object) -> str:
     return hashlib.sha256(repr((FORMAT_VERSION, *parts)).encode()).hexdigest()
 
 
-def block_payload(tensors: list[torch.Tensor]) -> bytes:
-    """A block's per-block tensors (on the host) as one byte string, in order."""
-    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+def seal(space: bytes, key: bytes, tensors: list[torch.Tensor]) -> bytearray:
+    """A block's per-block tensors (on the host), in order, after the header: one copy."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    sealed = bytearray(HEADER.size + size)
+    torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors],
+              out=torch.frombuffer(sealed, dtype=torch.uint8)[HEADER.size :])
+    digest = hashlib.sha256(memoryview(sealed)[HEADER.size :]).digest()
+    HEADER.pack_into(sealed, 0, MAGIC, space, key, size, digest)
+    return sealed
 
 
-def seal(space: bytes, key: bytes, payload: bytes) -> bytes:
-    return HEADER.pack(MAGIC, space, key, len(payload), hashlib.sha256(payload).digest()) + payload
-
-
-def unseal(space: bytes, key: bytes, payload_bytes: int, data: bytes) -> bytes | None:
-    """The payload of a sealed block, or None unless its namespace, key, length and digest all
-    match what is asked for."""
+def unseal(space: bytes, key: bytes, payload_bytes: int, data: bytes | bytearray) -> memoryview | None:
+    """The payload of a sealed block (a view into ``data``, not a copy), or None unless its
+    namespace, key, length and digest all match what is asked for."""
     if len(data) != HEADER.size + payload_bytes:
         return None
     magic, block_space, block_key, length, digest = HEADER.unpack_from(data)
-    payload = data[HEADER.size :]
+    payload = memoryview(data)[HEADER.size :]
     if (magic, block_space, block_key, length) != (MAGIC, space, key, payload_bytes):
         return None
     return payload if hashlib.sha256(payload).digest() == digest else None
 
 
-def block_tensors(payload: bytes, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The payload as one block of each of ``like`` (the pool's per-block tensors): views of one
-    copy of it (each tensor's bytes start at a multiple of its element size)."""
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    tensors, offset = [], 0
-    for t in like:
-        size = t[0].numel() * t.element_size()
-        tensors.append(raw[offset : offset + size].view(t.dtype).view(t.shape[1:]))
-        offset += size
-    return tensors
+def payload_tensor(payload: memoryview) -> torch.Tensor:
+    """A block's payload as a uint8 tensor: a view of it where it is writable (a buffer the
+    caller owns), else of one copy."""
+    return torch.frombuffer(payload if not payload.readonly else bytearray(payload), dtype=torch.uint8)
+
+
+Block = tuple[bytes, list[torch.Tensor]]  # a key and its per-block tensors, on the host
+WRITE_BATCH = 32  # blocks a writer hands its store at once, at most (a remote store pipelines them)
 
 
 class BackgroundWriter:
     """Writes blocks on a thread of its own, in order, so that a step never waits for a store:
-    ``write(key, payload)`` runs there for each ``submit``; it must not raise."""
+    ``write(blocks)`` runs there with the blocks submitted so far (up to WRITE_BATCH, sealing
+    them too); it must not raise."""
 
-    def __init__(self, write: Callable[[bytes, bytes], None], name: str) -> None:
+    def __init__(self, write: Callable[[list[Block]], None], name: str) -> None:
         self._write = write
-        self._queue: queue.Queue[tuple[bytes, bytes] | threading.Event | None] = queue.Queue()
+        self._queue: queue.Queue[Block | threading.Event | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, payload: bytes) -> None:
-        self._queue.put((key, payload))
+    def submit(self, key: bytes, tensors: list[torch.Tensor]) -> None:
+        """Queue a block (its per-block tensors on the host, which nothing may change after)."""
+        self._queue.put((key, tensors))
 
     @property
     def pending(self) -> int:
@@ -107,16 +109,24 @@ class BackgroundWriter:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            items = [self._queue.get()]
+            while len(items) < WRITE_BATCH and isinstance(items[-1], tuple):  # a batch ends at a marker
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if item is None:
+                blocks = [item for item in items if isinstance(item, tuple)]
+                if blocks:
+                    self._write(blocks)
+                for item in items:
+                    if isinstance(item, threading.Event):
+                        item.set()
+                if items[-1] is None:
                     return
-                if isinstance(item, threading.Event):
-                    item.set()
-                else:
-                    self._write(*item)
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
 
 
 class WritesInBackground:
@@ -144,9 +154,12 @@ class BlockStore(Protocol):
     shared: bool  # other engines read it: blocks are written once computed, not only when evicted
     load_seconds: deque[float]  # per block read back, until the metrics drain it
 
-    def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
-        """The blocks found among ``keys`` (each as one block of every tensor of ``like``, the
-        pool's per-block tensors), read in one request where the store can."""
+    def load_many(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """The blocks found among ``keys``, each its payload as a uint8 tensor (kv_tiers.split_blocks
+        turns them into pool blocks), read in one request where the store can."""
+
+    def wants(self, key: bytes) -> bool:
+        """Whether ``put(key, ...)`` would write: a caller copies a block to the host only then."""
 
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None: ...
 

@@ -106,27 +106,36 @@ class PagedKVCache:
         if moves is None or not any(moves):
             return
         assert self.host_store is not None, "tier moves need attach_host_tier"
-        for store in self.stores:
-            for slot, key in moves.spills:
-                store.put(key, self.host_store.read(slot))
-            for block_id, key in moves.pool_spills:
-                store.put(key, self._host_copy(block_id))
-        self.host_store.run(self.per_block_tensors(), moves)
-        for store in self.stores:  # write-through: what the pool evicts is kept below too
-            for slot, key in moves.persist:
-                store.put(key, self.host_store.read(slot))
+        host = self.host_store
+        self._hand_down(self.stores, moves.spills, host.storage)  # read out before their slots are reused
+        self._hand_down(self.stores, moves.pool_spills, self.per_block_tensors())
+        host.run(self.per_block_tensors(), moves)
+        self._hand_down(self.stores, moves.persist, host.storage)  # write-through: what the pool evicts is kept below
 
     def share_published(self, published: list[tuple[int, bytes]]) -> None:
         """The blocks published this step, computed now, to the stores other engines read."""
         shared = [store for store in self.stores if store.shared]
-        for block_id, key in published if shared else ():
-            tensors = self._host_copy(block_id)
-            for store in shared:
-                store.put(key, tensors)
+        if shared and published:
+            self._hand_down(shared, published, self.per_block_tensors())
 
-    def _host_copy(self, block_id: int) -> list[torch.Tensor]:
-        """Pool block ``block_id``'s per-block tensors, copied to host memory."""
-        return [tensor[block_id].to("cpu", copy=True) for tensor in self.per_block_tensors()]
+    @staticmethod
+    def _hand_down(stores: list[BlockStore], blocks: list[tuple[int, bytes]], source: list[torch.Tensor]) -> None:
+        """Hand blocks ((row, key): a row of every ``source`` tensor) to the ``stores`` that want
+        them: those rows are copied to the host in one batch per tensor, only for blocks some
+        store wants."""
+        wanted = []
+        for row, key in blocks:
+            wanting = [store for store in stores if store.wants(key)]
+            if wanting:
+                wanted.append((row, key, wanting))
+        if not wanted:
+            return
+        rows = torch.tensor([row for row, _, _ in wanted], dtype=torch.long)
+        copies = [tensor.index_select(0, rows.to(tensor.device)).to("cpu") for tensor in source]
+        for i, (_, key, wanting) in enumerate(wanted):
+            tensors = [copy[i] for copy in copies]
+            for store in wanting:
+                store.put(key, tensors)
 
     def take_load_seconds(self) -> list[tuple[str, float]]:
         """(tier, seconds) of each block loaded back into the pool since the last call."""

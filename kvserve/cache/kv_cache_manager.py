@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from kvserve.cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_disk import DiskTier
@@ -36,7 +34,6 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  tail_blocks: int = 0, host_tier: TierIndex | None = None, stores: list[BlockStore] | None = None,
-                 store_block_like: list[torch.Tensor] | None = None,
                  groups: Sequence[KVCacheSpec] = (FULL_ATTENTION,), max_chunk_tokens: int = 1,
                  streaming: StreamingWindow | None = None) -> None:
         """``tail_blocks``: for pools that keep a full-precision tail block per running sequence
@@ -57,7 +54,7 @@ class KVCacheManager:
         self.requests: dict[str, RequestKV] = {}
         self.num_evicted_tokens = 0  # since start
         self.tail_blocks = tail_blocks
-        self.offload = OffloadManager(host_tier, stores, store_block_like)
+        self.offload = OffloadManager(host_tier, stores)
         self.offload.attach(self.pool, enable_prefix_caching)
         self.prefix_cache = PrefixCache(self.pool, self.offload, block_size, len(self.groups), enable_prefix_caching)
         self.tails = TailRuns(self.pool, tail_blocks, len(self.groups))
@@ -309,7 +306,7 @@ class KVCacheManager:
                 else:
                     block = next(fresh)
                     self.offload.fill(block, hit, taken[hit])
-                    self.prefix_cache.cache(block, hit)
+                    self.prefix_cache.cache(block, hit, computed=False)
                     table.append(block)
             tables.append(table)
         return tables

@@ -23,9 +23,9 @@ import torch
 from kvserve.cache.block_store import (
     HEADER,
     BackgroundWriter,
+    Block,
     WritesInBackground,
-    block_payload,
-    block_tensors,
+    payload_tensor,
     seal,
     unseal,
 )
@@ -56,7 +56,7 @@ class DiskTier(WritesInBackground):
         self.hits = self.blocks_in = self.blocks_out = self.evictions = self.errors = 0
         self.load_seconds: deque[float] = deque(maxlen=4096)  # per block read back, until drained (metrics)
         self._load_index()
-        self._writer = BackgroundWriter(self._write, "kvserve-disk-tier")
+        self._writer = BackgroundWriter(self._write_blocks, "kvserve-disk-tier")
 
     # ------------------------------------------------------------------ index
 
@@ -103,18 +103,24 @@ class DiskTier(WritesInBackground):
 
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None:
         """Queue a block (its per-block tensors, on the host) for writing."""
-        if self.capacity_blocks == 0 or key in self:
-            return
-        self._writer.submit(key, block_payload(tensors))
+        if self.wants(key):
+            self._writer.submit(key, tensors)
+
+    def wants(self, key: bytes) -> bool:
+        return self.capacity_blocks > 0 and key not in self
 
 
-    def _write(self, key: bytes, payload: bytes) -> None:
+    def _write_blocks(self, blocks: list[Block]) -> None:
+        for key, tensors in blocks:
+            self._write(key, tensors)
+
+    def _write(self, key: bytes, tensors: list[torch.Tensor]) -> None:
         path = self._path(key)
         tmp = path.with_suffix(f".tmp{threading.get_ident()}")
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(seal(self.namespace, key, payload))
+                f.write(seal(self.namespace, key, tensors))
             os.replace(tmp, path)  # atomic: readers see the old state or the whole file
         except OSError as exc:
             with self._lock:
@@ -131,14 +137,16 @@ class DiskTier(WritesInBackground):
 
     # ------------------------------------------------------------------ read (engine thread)
 
-    def load(self, key: bytes, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The block's per-block tensors (shaped and typed as one block of each of ``like``), or
-        None if its file is missing or bad (then it is forgotten and counted in ``errors``)."""
+    def load(self, key: bytes) -> torch.Tensor | None:
+        """The block's payload (read into a buffer of its own, not copied again), or None if its
+        file is missing or bad (then it is forgotten and counted in ``errors``)."""
         start = time.perf_counter()
+        data = bytearray(HEADER.size + self.block_bytes + 1)  # one byte more: a longer file is caught
         try:
-            data = self._path(key).read_bytes()
+            with self._path(key).open("rb") as file:  # buffered: readinto fills the buffer or reaches the end
+                del data[file.readinto(data):]
         except OSError:
-            data = b""
+            data = bytearray()
         payload = unseal(self.namespace, key, self.block_bytes, data)
         if payload is None:
             with self._lock:
@@ -146,7 +154,7 @@ class DiskTier(WritesInBackground):
             self._forget(key)
             logger.warning("KV disk tier: block %s… is missing or damaged; recomputing it", key.hex()[:12])
             return None
-        tensors = block_tensors(payload, like)
+        tensors = payload_tensor(payload)
         with self._lock:
             if key in self.index:
                 self.index.move_to_end(key)
@@ -155,10 +163,10 @@ class DiskTier(WritesInBackground):
         self.load_seconds.append(time.perf_counter() - start)
         return tensors
 
-    def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
+    def load_many(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
         found = {}
         for key in keys:
-            tensors = self.load(key, like) if key in self else None
+            tensors = self.load(key) if key in self else None
             if tensors is not None:
                 found[key] = tensors
         return found

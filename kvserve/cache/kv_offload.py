@@ -22,16 +22,13 @@ class OffloadManager:
     one is a miss; a slot reserved for a swapped-out request is released exactly once (swapped back in,
     or its request freed)."""
 
-    def __init__(self, host_tier: TierIndex | None = None, stores: list[BlockStore] | None = None,
-                 block_like: list[torch.Tensor] | None = None) -> None:
-        """``stores``: below tier 1, asked in order (they keep what tier 1 drops); ``block_like``:
-        the pool's per-block tensors (how a block read back from a store looks)."""
+    def __init__(self, host_tier: TierIndex | None = None, stores: list[BlockStore] | None = None) -> None:
+        """``stores``: below tier 1, asked in order (they keep what tier 1 drops)."""
         self.host_tier = host_tier
         self.stores = list(stores or []) if host_tier is not None else []
-        self._block_like = block_like or []
         # verified lower-store blocks, until promoted: kept across steps (oldest dropped past
         # STORE_LOADED_BYTES), so a request that waits for room does not read its hits again each step
-        self._store_loaded: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self._store_loaded: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> payload
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
         self._shares = any(store.shared for store in self.stores)
         self._published: list[tuple[int, bytes]] = []  # (pool block, key) published this step, for shared stores
@@ -60,7 +57,7 @@ class OffloadManager:
         for store in self.stores:
             if not wanted:
                 return
-            found = store.load_many(wanted, self._block_like)
+            found = store.load_many(wanted)
             self._store_loaded.update(found)
             wanted = [key for key in wanted if key not in found]
 
@@ -131,10 +128,9 @@ class OffloadManager:
         return self.host_tier.take_moves() if self.host_tier is not None else None
 
     def _trim_store_loaded(self) -> None:
-        held = sum(t.numel() * t.element_size() for tensors in self._store_loaded.values() for t in tensors)
+        held = sum(payload.numel() for payload in self._store_loaded.values())
         while held > STORE_LOADED_BYTES and self._store_loaded:
-            _, tensors = self._store_loaded.popitem(last=False)
-            held -= sum(t.numel() * t.element_size() for t in tensors)
+            held -= self._store_loaded.popitem(last=False)[1].numel()
 
     def stats(self) -> list[TierStats]:
         return ([self.host_tier.stats()] if self.host_tier is not None else []) + [s.stats() for s in self.stores]

@@ -21,17 +21,19 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from kvserve.cache.block_store import BackgroundWriter, WritesInBackground, block_payload, block_tensors, seal, unseal
+from kvserve.cache.block_store import BackgroundWriter, Block, WritesInBackground, payload_tensor, seal, unseal
 from kvserve.cache.kv_tiers import TierStats
 from kvserve.config import ConfigError
 
 logger = logging.getLogger("kvserve")
 
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, so that they are not written again
+READ_BATCH = 16  # blocks per MGET: one batch is checked while the next arrives
 
 
 class RemoteTier(WritesInBackground):
@@ -61,7 +63,8 @@ class RemoteTier(WritesInBackground):
         # keys this engine read from the server or wrote to it, with when: writing them again
         # (a block read from the store and later evicted from the pool) would only cost time
         self._known: OrderedDict[bytes, float] = OrderedDict()
-        self._writer = BackgroundWriter(self._write, "kvserve-remote-tier")
+        self._writer = BackgroundWriter(self._write_blocks, "kvserve-remote-tier")
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvserve-remote-verify")
 
     def _name(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -81,15 +84,15 @@ class RemoteTier(WritesInBackground):
             logger.warning("KV remote tier %s failed while %s (%s); blocks are recomputed, retrying in %.0f s",
                            self.url, doing, exc, self.retry_after_s)
 
-    # ------------------------------------------------------------------ reads (engine thread)
+    # ------------------------------------------------------------------ reads (engine thread, verifier)
 
-    def _checked(self, key: bytes, data: bytes | None, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _checked(self, key: bytes, data: bytes | None) -> torch.Tensor | None:
         """The block ``data`` holds, if it is there and sealed under this namespace and key."""
         if data is None:
             with self._lock:
                 self.misses += 1
             return None
-        payload = unseal(self.namespace, key, self.block_bytes, bytes(data))
+        payload = unseal(self.namespace, key, self.block_bytes, data)
         if payload is None:
             with self._lock:
                 self.errors += 1
@@ -99,32 +102,34 @@ class RemoteTier(WritesInBackground):
             self.hits += 1
             self.blocks_out += 1
         self._remember(key)
-        return block_tensors(payload, like)
+        return payload_tensor(payload)
 
-    def load_many(self, keys: list[bytes], like: list[torch.Tensor]) -> dict[bytes, list[torch.Tensor]]:
-        """The blocks found among ``keys``, in one round trip per 256 (MGET); a block that is
-        missing, damaged or of another namespace is left out (damaged ones counted in ``errors``),
-        and nothing is read while the server rests after a failure."""
-        found: dict[bytes, list[torch.Tensor]] = {}
-        for start in range(0, len(keys), 256):
+    def load_many(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """The blocks found among ``keys``, in one round trip (MGET) per READ_BATCH blocks, each
+        batch checked on the verifier thread while the next one arrives (both release the GIL); a
+        block that is missing, damaged or of another namespace is left out (damaged ones counted in
+        ``errors``), and nothing is read while the server rests after a failure."""
+        began = time.perf_counter()
+        checks: list[Future[list[tuple[bytes, torch.Tensor | None]]]] = []
+        for start in range(0, len(keys), READ_BATCH):
             if not self._up():
                 break
-            batch = keys[start : start + 256]
-            began = time.perf_counter()
+            batch = keys[start : start + READ_BATCH]
             try:
                 values = self._client.mget([self._name(key) for key in batch])
             except self._errors_seen as exc:
                 self._failed(exc, "reading blocks")
                 break
-            hits = 0
-            for key, data in zip(batch, values, strict=True):
-                tensors = self._checked(key, data, like)
-                if tensors is not None:
-                    found[key] = tensors
-                    hits += 1
-            if hits:  # the round trip and the checks, shared by the blocks found
-                self.load_seconds.extend([(time.perf_counter() - began) / hits] * hits)
+            checks.append(self._verifier.submit(lambda b=batch, v=values: [  # type: ignore[misc]
+                (key, self._checked(key, data)) for key, data in zip(b, v, strict=True)]))
+        found = {key: payload for check in checks for key, payload in check.result() if payload is not None}
+        if found:  # the round trips and the checks, shared by the blocks found
+            self.load_seconds.extend([(time.perf_counter() - began) / len(found)] * len(found))
         return found
+
+    def close(self) -> None:
+        super().close()
+        self._verifier.shutdown(wait=False)
 
     # ------------------------------------------------------------------ writes (background)
 
@@ -145,20 +150,27 @@ class RemoteTier(WritesInBackground):
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None:
         """Queue a block (its per-block tensors, on the host) for the server, unless it is there
         or queued already (a failed write forgets every key: ``_failed``)."""
-        if self._up() and not self._recently_stored(key):
+        if self.wants(key):
             self._remember(key)
-            self._writer.submit(key, block_payload(tensors))
+            self._writer.submit(key, tensors)
 
-    def _write(self, key: bytes, payload: bytes) -> None:
+    def wants(self, key: bytes) -> bool:
+        return self._up() and not self._recently_stored(key)
+
+    def _write_blocks(self, blocks: list[Block]) -> None:
+        """One pipelined round trip for the batch (a round trip per block cost as much again)."""
         if not self._up():
             return
+        pipe = self._client.pipeline(transaction=False)
+        for key, tensors in blocks:
+            pipe.set(self._name(key), seal(self.namespace, key, tensors), ex=self.ttl_s)
         try:
-            self._client.set(self._name(key), seal(self.namespace, key, payload), ex=self.ttl_s)
+            pipe.execute()
         except self._errors_seen as exc:
-            self._failed(exc, "writing a block")
+            self._failed(exc, "writing blocks")
             return
         with self._lock:
-            self.blocks_in += 1
+            self.blocks_in += len(blocks)
 
 
     def stats(self) -> TierStats:

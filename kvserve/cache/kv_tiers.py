@@ -47,7 +47,7 @@ class TierMoves(NamedTuple):
     demotions: list[tuple[int, int]]  # (pool block id, tier slot)
     persist: list[tuple[int, bytes]]  # (tier slot, key): prefix blocks demoted now, written through to tier 2
     promotions: list[tuple[int, int]]  # (tier slot, pool block id)
-    loads: list[tuple[int, list[torch.Tensor]]]  # (pool block id, a block read from tier 2)
+    loads: list[tuple[int, torch.Tensor]]  # (pool block id, the payload of a block read from tier 2)
 
 
 class TierIndex:
@@ -67,7 +67,7 @@ class TierIndex:
         self._promotions: list[tuple[int, int]] = []
         self._spills: list[tuple[int, bytes]] = []  # LRU blocks dropped this step (tier 2 may keep them)
         self._pool_spills: list[tuple[int, bytes]] = []
-        self._loads: list[tuple[int, list[torch.Tensor]]] = []
+        self._loads: list[tuple[int, torch.Tensor]] = []
         self.hits = self.blocks_in = self.blocks_out = self.evictions = self.discarded = 0
         self.num_reserved = 0  # slots holding swapped-out requests' blocks (no key, never evicted)
 
@@ -137,9 +137,9 @@ class TierIndex:
         self.evictions += 1
         return slot
 
-    def load(self, block_id: int, tensors: list[torch.Tensor]) -> None:
-        """Copy a block read from tier 2 into pool block ``block_id`` in this step's moves."""
-        self._loads.append((block_id, tensors))
+    def load(self, block_id: int, payload: torch.Tensor) -> None:
+        """Copy a block read from tier 2 (its payload) into pool block ``block_id`` in this step's moves."""
+        self._loads.append((block_id, payload))
 
     def save(self, block_id: int, slot: int) -> None:
         """Copy pool block ``block_id`` into reserved ``slot`` in this step's moves."""
@@ -173,6 +173,18 @@ class TierIndex:
                          used, self.hits, self.blocks_in, self.blocks_out, self.evictions, self.discarded)
 
 
+def split_blocks(payloads: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Stacked block payloads ([blocks, payload bytes], uint8; block_store's format) as blocks of
+    each of ``like`` (the pool's per-block tensors), one view per tensor: a payload holds them in
+    order, each starting at a multiple of its element size."""
+    views, offset = [], 0
+    for t in like:
+        size = t[0].numel() * t.element_size()
+        views.append(payloads[:, offset : offset + size].view(t.dtype).view(len(payloads), *t.shape[1:]))
+        offset += size
+    return views
+
+
 class HostBlockStore:
     """The bytes of tier 1: one host tensor per pool per-block tensor, [slots, ...] in the same
     layout and dtype (pinned when the pool is on CUDA, so copies can overlap compute)."""
@@ -184,10 +196,6 @@ class HostBlockStore:
                         for t in per_block]
         # per block promoted (a step's batch, shared out), until drained by the metrics (bounded otherwise)
         self.load_seconds: deque[float] = deque(maxlen=4096)
-
-    def read(self, slot: int) -> list[torch.Tensor]:
-        """A copy of one slot's block (for tier 2)."""
-        return [host[slot].clone() for host in self.storage]
 
     def run(self, per_block: list[torch.Tensor], moves: TierMoves) -> None:
         """Demotions (pool -> host), then promotions (host -> pool), batched per tensor, then
@@ -205,6 +213,8 @@ class HostBlockStore:
                 pool.index_copy_(0, blocks.to(pool.device), host.index_select(0, slots).to(pool.device))
             per_block_seconds = (time.perf_counter() - start) / len(moves.promotions)
             self.load_seconds.extend([per_block_seconds] * len(moves.promotions))
-        for block_id, tensors in moves.loads:
-            for pool, tensor in zip(per_block, tensors, strict=True):
-                pool[block_id].copy_(tensor)
+        if moves.loads:  # one copy per pool tensor for all the step's blocks, not one per block and tensor
+            blocks = torch.tensor([b for b, _ in moves.loads], dtype=torch.long)
+            payloads = torch.stack([payload for _, payload in moves.loads])
+            for pool, loaded in zip(per_block, split_blocks(payloads, per_block), strict=True):
+                pool.index_copy_(0, blocks.to(pool.device), loaded.to(pool.device))

@@ -137,15 +137,15 @@ class PrefixCache:
                 self.cache(table[index], group_key(hashes[index], group))
         record.num_published = max(start, full)
 
-    def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache(self, block: KVCacheBlock, block_hash: bytes, computed: bool = True) -> None:
         """Publish a full block under its key (unless an equal block is); tiers stay exclusive,
         so a lower tier's copy of it is dropped; a store shared with other engines gets it once
-        the step has computed it."""
+        the step has ``computed`` it (a block copied back from a tier was shared when computed)."""
         fresh = block.block_hash is None and block_hash not in self.pool.cached_blocks
         self.pool.cache_block(block, block_hash)
         if block.block_hash == block_hash:
             self.offload.discard(block_hash)
-        if fresh:
+        if fresh and computed:
             self.offload.published(block.block_id, block_hash)
 
     def stats(self) -> PrefixCacheStats:

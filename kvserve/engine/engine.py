@@ -61,7 +61,7 @@ class LLMEngine:
         if host_tier is not None:
             self.kv_cache.attach_host_tier(host_tier.capacity_blocks, stores)
         self.kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                         self.tail_blocks, host_tier, stores, self.kv_cache.per_block_tensors(),
+                                         self.tail_blocks, host_tier, stores,
                                          [group.spec for group in self.kv_groups], sched.max_num_batched_tokens,
                                          self.eviction.default_window)
         self.scheduler = Scheduler(self.kv_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
