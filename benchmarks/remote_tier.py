@@ -15,6 +15,10 @@ P computes a new document's question with one output token, waits until its bloc
 (``LLMEngine.shared_writes``), and a decode engine D answers the same prompt from the store.
 Reported: P's time, the wait for the writes still queued when P answered, D's time to its first
 token, and the bytes D read per request against the planner's bytes for those tokens.
+
+Last, reads beside compute: a replica decoding 4 requests is sent the ``--docs`` questions at
+once (their documents in the store, read on the loader thread while the decodes go on); reported:
+the longest step the decoding requests waited through, the median step and the total time.
 """
 
 from __future__ import annotations
@@ -92,6 +96,27 @@ def hand_off(common: dict[str, Any], pool: int, tier1: int, url: str, args: argp
             "planner_bytes_for_handed_tokens": handed * per_token, "handed_tokens": handed}
 
 
+def decode_stall(common: dict[str, Any], url: str, questions: list[list[int]]) -> dict[str, Any]:
+    """Step times of a replica decoding 4 requests when the questions arrive (documents in the store)."""
+    llm = LLM(**{**common, "max_num_seqs": 16}, kv_cache_memory="256MiB", kv_offload_memory="32MiB",  # type: ignore[arg-type]
+              kv_offload_remote=url)
+    ask(llm, [[1, 2, 3]])
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request([5 + i] * 20, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), f"decode-{i}")
+    steps: list[float] = []
+    began = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if len(steps) == 5:
+            for j, question in enumerate(questions):
+                engine.add_request(question, SamplingParams(temperature=0, max_tokens=1), f"question-{j}")
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return {"total_s": time.perf_counter() - began, "steps": len(steps), "longest_step_ms": 1e3 * max(steps),
+            "median_step_ms": 1e3 * statistics.median(steps)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=6)
@@ -129,6 +154,7 @@ def main() -> None:
             remote = next(s for s in second.engine.kv_manager.stores if isinstance(s, RemoteTier))
             loads = [seconds for name, seconds in second.engine.take_tier_load_seconds() if name == "remote"]
             handoff = hand_off(common, pool, tier1, url, args)
+            stall = decode_stall(common, url, questions)
         finally:
             server.kill()
     result = {
@@ -141,6 +167,7 @@ def main() -> None:
         "ttft_pool_hit_s": statistics.mean(in_pool),
         "load_ms_per_block": 1e3 * statistics.median(loads) if loads else None,
         "disaggregated": handoff,
+        "reads_beside_decodes": stall,
     }
     print(json.dumps(result, indent=1))
     if args.out is not None:

@@ -368,8 +368,10 @@ def test_a_lower_store_hit_is_read_once_while_its_request_waits(tmp_path: Path) 
     disk.put(key, [torch.arange(16 * 8, dtype=torch.float32).view(16, 8)])
     disk.flush()
     offload = OffloadManager(TierIndex("cpu", 2, 16 * 8 * 4), [disk])
+    assert not offload.prefetch([key])  # the read runs on the loader thread: not ready yet
+    offload.wait_for_reads(10)
     for _ in range(3):  # three steps in which the request finds its hit but cannot be admitted
-        offload.prefetch([key])  # as the prefix cache's lookup does before asking holds()
+        assert offload.prefetch([key])  # as the prefix cache's lookup does before asking holds()
         assert offload.holds(key)
         offload.take_moves()
     assert disk.stats().hits == 1

@@ -5,7 +5,9 @@ bytes move in the PagedKVCache (run_tier_moves), once a step."""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -14,6 +16,7 @@ from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
 
 STORE_LOADED_BYTES = 256 << 20  # lower-store blocks kept verified between steps
+logger = logging.getLogger("kvserve")
 
 
 class OffloadManager:
@@ -29,6 +32,14 @@ class OffloadManager:
         # verified lower-store blocks, until promoted: kept across steps (oldest dropped past
         # STORE_LOADED_BYTES), so a request that waits for room does not read its hits again each step
         self._store_loaded: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> payload
+        # reads run on a loader thread while steps compute; results join _store_loaded on the
+        # engine thread (collect), so only the engine thread touches it
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-store-reads") if self.stores else None
+        self._reading: dict[bytes, Future[dict[bytes, torch.Tensor]]] = {}
+        # blocks the stores lacked, answered for the rest of the step whose lookups found the read
+        # done (a later step asks again: this engine or another may have written them since)
+        self._missed: set[bytes] = set()
+        self._missed_step = self._step = 0
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
         self._shares = any(store.shared for store in self.stores)
         self._published: list[tuple[int, bytes]] = []  # (pool block, key) published this step, for shared stores
@@ -48,18 +59,60 @@ class OffloadManager:
             return True
         return False
 
-    def prefetch(self, keys: list[bytes]) -> None:
-        """Read the lower stores' blocks among ``keys`` (those tier 1 lacks) in one request per
-        store (one network round trip for a remote store, not one per block); ``holds`` then
-        answers from them."""
-        wanted = [key for key in keys if key not in self._store_loaded
-                  and (self.host_tier is None or key not in self.host_tier)]
+    def prefetch(self, keys: list[bytes]) -> bool:
+        """Start reading the lower stores' blocks among ``keys`` (those tier 1 lacks, not read
+        already, not found missing this step) on the loader thread, in one request per store
+        (one network round trip for a remote store, not one per block). True once no key of
+        ``keys`` is still being read: ``holds`` then answers from what was read."""
+        if self._missed_step != self._step:
+            self._missed.clear()
+        self._collect()
+        wanted = [key for key in keys if key not in self._store_loaded and key not in self._reading
+                  and key not in self._missed and (self.host_tier is None or key not in self.host_tier)]
+        if wanted and self._loader is not None:
+            reading = self._loader.submit(self._read, wanted)
+            self._reading.update(dict.fromkeys(wanted, reading))
+        return not any(key in self._reading for key in keys)
+
+    def _read(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """On the loader thread: the blocks the stores hold among ``keys``, asked in order."""
+        found: dict[bytes, torch.Tensor] = {}
         for store in self.stores:
-            if not wanted:
-                return
-            found = store.load_many(wanted)
-            self._store_loaded.update(found)
-            wanted = [key for key in wanted if key not in found]
+            if len(found) == len(keys):
+                break
+            found.update(store.load_many([key for key in keys if key not in found]))
+        return found
+
+    def _collect(self) -> None:
+        """Reads that finished: their blocks join the verified ones, their misses are remembered."""
+        done = {id(f): f for f in self._reading.values() if f.done()}
+        if not done:
+            return
+        self._missed_step = self._step
+        for reading in done.values():
+            try:
+                self._store_loaded.update(reading.result())
+            except Exception:  # stores do not raise; if one did, its blocks are misses
+                logger.exception("KV lower store: a read failed; its blocks are recomputed")
+        for key in [key for key, reading in self._reading.items() if id(reading) in done]:
+            del self._reading[key]
+            if key not in self._store_loaded:
+                self._missed.add(key)
+
+    @property
+    def reading(self) -> bool:
+        """Reads from the lower stores are under way."""
+        return bool(self._reading)
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until one of the reads under way finishes: an engine with
+        nothing to compute but a request whose blocks are on their way waits here, not spinning."""
+        if self._reading:
+            wait(set(self._reading.values()), timeout_s, return_when=FIRST_COMPLETED)
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=False)
 
     def take(self, keys: list[bytes]) -> dict[bytes, int]:
         """Lower-tier hits a new request starts from leave tier 1 now, so that no pool claim can
@@ -125,6 +178,7 @@ class OffloadManager:
     def take_moves(self) -> TierMoves | None:
         """This step's copies between the pool and the tiers (run before the forward pass)."""
         self._trim_store_loaded()  # between steps only: within one, a hit found is still there at fill()
+        self._step += 1
         return self.host_tier.take_moves() if self.host_tier is not None else None
 
     def _trim_store_loaded(self) -> None:

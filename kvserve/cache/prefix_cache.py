@@ -48,6 +48,7 @@ class CachedPrefix(NamedTuple):
 
     num_blocks: int
     blocks: list[list[CachedBlock | None]]
+    reading: bool = False  # some of its blocks are being read from a lower store: look again later
 
 
 class PrefixCache:
@@ -83,14 +84,16 @@ class PrefixCache:
         sliding-window one only the blocks the next query's window reaches: vLLM's hybrid
         rule). The last token is always left to compute (its logits are needed), so only blocks
         inside the first num_tokens - 1 tokens count. Takes no references and counts nothing
-        (record_lookup): a request the pool cannot admit yet looks again."""
+        (record_lookup): a request the pool cannot admit yet looks again. While blocks it may
+        start from are being read from a lower store, the answer is ``reading`` (no blocks)."""
         if not self.enabled or not record.shares:
             return CachedPrefix(0, [[] for _ in range(self.num_groups)])
         length = (num_tokens - 1) // self.block_size
         hashes = self.hashes(record, tokens, length)
-        if self.offload.stores:  # ask the lower stores for every block the pool lacks at once
-            self.offload.prefetch([key for i in range(length) for group in range(self.num_groups)
-                                   if self.pool.cached_block(key := group_key(hashes[i], group)) is None])
+        if self.offload.stores and not self.offload.prefetch(  # every block the pool lacks, at once
+                [key for i in range(length) for group in range(self.num_groups)
+                 if self.pool.cached_block(key := group_key(hashes[i], group)) is None]):
+            return CachedPrefix(0, [[] for _ in range(self.num_groups)], reading=True)
         found: list[dict[int, CachedBlock | None]] = [{} for _ in range(self.num_groups)]
 
         def hit(group: int, index: int) -> CachedBlock | None:

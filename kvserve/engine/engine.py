@@ -33,6 +33,7 @@ from kvserve.engine.structured import GrammarCompiler, GrammarError
 
 logger = logging.getLogger("kvserve")
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer index, K, V) before the write
+READ_WAIT_S = 0.05  # an idle step's wait for a lower store's read (new requests are taken between steps)
 CLIP_WARN_RATIO = 0.001  # drift watch: warn once when more than this share of K/V is clipped
 
 
@@ -148,6 +149,7 @@ class LLMEngine:
         self.kv_cache.prepare(scheduled.storage)  # every step, even one with nothing to run
         chunks = scheduled.chunks
         if not chunks:
+            self.kv_manager.offload.wait_for_reads(READ_WAIT_S)  # a request waits for its blocks: no spinning
             return []
         for victim in scheduled.preempted:
             self.snapkv.preempted(victim)
@@ -235,6 +237,7 @@ class LLMEngine:
         another replica) finds them."""
         for store in self.kv_manager.stores:
             store.close()
+        self.kv_manager.offload.close()
 
     def _watch_drift(self) -> None:
         if self._clip_warned:

@@ -5,9 +5,11 @@ requests: running requests first (a decode costs one token, an unfinished prompt
 then waiting requests — in arrival order ("fcfs"), or with policy "lpm" (SGLang's longest
 prefix match) those with the longest cached prefix first, except that a request passed over
 max_skips times goes first. A waiting request starts from its longest cached prefix (prefix
-caching) and computes only the rest; it is admitted only when the free blocks hold its whole
-prompt besides the rest of the prompts being prefilled and a block per running request
-(admission control, unless turned off), or when nothing else runs. When the pool runs dry the most recently arrived
+caching) and computes only the rest; while its blocks are read from a lower store (a disk or
+a shared server, on a thread of their own) the requests behind it go first; it is admitted
+only when the free blocks hold its whole prompt besides the rest of the prompts being
+prefilled and a block per running request (admission control, unless turned off), or when
+nothing else runs. When the pool runs dry the most recently arrived
 running request is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (prompt + tokens generated so far) later. Nothing is dropped.
 """
@@ -129,9 +131,13 @@ class Scheduler:
         lpm = self.policy == "lpm" and len(self.waiting) > 1
         if lpm and not preempted and len(self.running) < self.max_num_seqs:
             self._order_by_cached_prefix()
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
             cached = self._cached_prefix(request)
+            if cached.reading:  # its blocks are on their way from a lower store: the next ones go first
+                i += 1
+                continue
             computed = cached.num_blocks * self.kv.block_size
             n = min(request.num_tokens - computed, budget)
             if self.reserve_full_prompt and self.running and not self._prompt_fits(request, cached):
@@ -139,7 +145,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, computed + n, request.token_ids, cached):
                 break
             self.kv.record_prefix_lookup(request.num_tokens, computed)
-            self.waiting.popleft()
+            del self.waiting[i]
             if lpm:  # everyone who arrived earlier and still waits was passed over once more
                 for other in self.waiting:
                     if other.arrival_seq < request.arrival_seq:
