@@ -87,6 +87,8 @@ def test_a_prefix_in_the_shared_store_counts_on_every_replica() -> None:
     index.sync(["a", "b", "c"])
     document = keys(list(range(16)))
     index.insert("a", document)
+    assert index.shared_blocks(document) == 0  # routed, not yet computed: not in the store
+    index.insert_shared(document)  # the request completed
     assert index.shared_blocks(document) == 4 and index.matched_blocks("b", document) == 0
     # a holds it in its pool: it wins while loads tie; the others serve it from the store when a is busier
     idle = {"a": Load(0), "b": Load(0), "c": Load(0)}
@@ -94,15 +96,16 @@ def test_a_prefix_in_the_shared_store_counts_on_every_replica() -> None:
     assert choose_replica(index, document, {"a": Load(1), "b": Load(0), "c": Load(0)}, 8, 1.0,
                           {"b": 2, "c": 1}) == ("c", 4, "shared")
     # a longer prefix in a's own pool still beats the shared one, within the load bounds
-    index.insert("a", keys(list(range(24))))  # 6 blocks: the shared list keeps 6
+    index.insert("a", keys(list(range(24))))
+    index.insert_shared(keys(list(range(24))))  # 6 blocks: the shared list keeps 6
     longer = keys(list(range(28)))
     assert index.shared_blocks(longer) == 6
-    index.insert("b", keys(list(range(200, 204))))  # the shared list drops the oldest block: a chain miss
+    index.insert_shared(keys(list(range(200, 204))))  # the shared list drops the oldest block: a chain miss
     assert index.shared_blocks(longer) == 0 and index.matched_blocks("a", longer) == 6
     assert choose_replica(index, longer, {"a": Load(3), "b": Load(0), "c": Load(0)}, 8, 1.0).reason == "affinity"
     # without a shared store nothing is shared
     alone = PrefixIndex(1000)
-    alone.insert("a", document)
+    alone.insert_shared(document)
     assert alone.shared_blocks(document) == 0
     with pytest.raises(ValueError, match="shared_capacity_blocks"):
         PrefixIndex(10, -1)
@@ -131,13 +134,17 @@ def test_the_prefill_copy_of_a_request_asks_one_token_without_streaming() -> Non
     from kvserve.cluster.deploy import prefill_body
 
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 50, "stream": True, "n": 3, "logprobs": 2,
-            "stream_options": {"include_usage": True}, "echo": True, "temperature": 0.7}
+            "stream_options": {"include_usage": True}, "temperature": 0.7}
     copy = json.loads(prefill_body(json.dumps(body).encode()) or b"")
     assert copy == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False, "n": 1, "temperature": 0.7}
+    assert "echo" not in json.loads(prefill_body(json.dumps({"prompt": "x", "echo": True}).encode()) or b"")
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
     assert json.loads(prefill_body(json.dumps(chat).encode()) or b"")["max_tokens"] == 1
     assert prefill_body(b"not json") is None and prefill_body(b"[1]") is None
     assert prefill_body(json.dumps({**body, "prompt_logprobs": 1}).encode()) is None
+    assert prefill_body(json.dumps({**body, "prompt_logprobs": 0}).encode()) is None  # 0 still computes the prompt
+    assert prefill_body(json.dumps({"prompt": "x", "echo": True, "logprobs": 0}).encode()) is None
+    assert "é" in (prefill_body(json.dumps({"prompt": "café"}).encode()) or b"").decode()  # not \u-escaped, so no longer than what was sent
 
 
 def _toy_app() -> FastAPI:

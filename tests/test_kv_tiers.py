@@ -375,3 +375,27 @@ def test_a_lower_store_hit_is_read_once_while_its_request_waits(tmp_path: Path) 
         assert offload.holds(key)
         offload.take_moves()
     assert disk.stats().hits == 1
+
+
+def test_a_prompt_read_in_two_reads_is_answered_once_both_are_done(tmp_path: Path) -> None:
+    """Reads run on a loader thread; a block the stores lacked is remembered as missing for a
+    while, so a prompt whose blocks were read in two reads (one begun for another request) is
+    answered once both are done instead of being read again step after step."""
+    import torch
+
+    from kvserve.cache.block_store import namespace
+    from kvserve.cache.kv_disk import DiskTier
+    from kvserve.cache.kv_offload import OffloadManager
+    from kvserve.cache.kv_tiers import TierIndex
+
+    disk = DiskTier(tmp_path, 1 << 20, namespace("test"), 16 * 8 * 4)
+    held, absent = bytes(range(32)), bytes(range(1, 33))
+    disk.put(held, [torch.ones(16, 8)])
+    disk.flush()
+    offload = OffloadManager(TierIndex("cpu", 2, 16 * 8 * 4), [disk])
+    assert not offload.prefetch([absent])  # another request's read: the block is missing
+    offload.wait_for_reads(10)
+    assert not offload.prefetch([held, absent])  # this prompt's read of the block the first lacked
+    offload.wait_for_reads(10)
+    assert offload.prefetch([held, absent]) and offload.holds(held) and not offload.holds(absent)
+    assert not offload.reading

@@ -13,6 +13,7 @@ replica of another configuration is never misread, and a damaged block is a miss
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import struct
 import threading
@@ -27,6 +28,8 @@ from kvserve.cache.kv_tiers import TierStats
 MAGIC = b"KVSBLK01"
 FORMAT_VERSION = 1  # bump when the stored layout of any KV format changes
 HEADER = struct.Struct("<8s32s32sQ32s")  # MAGIC | namespace | key | payload length | SHA-256 of the payload
+
+logger = logging.getLogger("kvserve")
 
 
 def namespace(*parts: object) -> str:
@@ -117,8 +120,11 @@ class BackgroundWriter:
                     break
             try:
                 blocks = [item for item in items if isinstance(item, tuple)]
-                if blocks:
-                    self._write(blocks)
+                try:
+                    if blocks:
+                        self._write(blocks)
+                except Exception:  # a store's bug must not stop the thread (written() would hang)
+                    logger.exception("KV store writer: %d blocks were not written", len(blocks))
                 for item in items:
                     if isinstance(item, threading.Event):
                         item.set()

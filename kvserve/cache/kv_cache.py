@@ -142,9 +142,8 @@ class PagedKVCache:
         loads: list[tuple[str, float]] = []
         sources: list[tuple[str, HostBlockStore | BlockStore | None]] = [("cpu", self.host_store)]
         for name, source in sources + [(store.name, store) for store in self.stores]:
-            if source is not None:
-                loads += [(name, seconds) for seconds in source.load_seconds]
-                source.load_seconds.clear()
+            while source is not None and source.load_seconds:  # popleft: the loader thread appends
+                loads.append((name, source.load_seconds.popleft()))
         return loads
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:

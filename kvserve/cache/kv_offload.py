@@ -6,6 +6,7 @@ bytes move in the PagedKVCache (run_tier_moves), once a step."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -16,6 +17,9 @@ from kvserve.cache.block_store import BlockStore
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, TierStats
 
 STORE_LOADED_BYTES = 256 << 20  # lower-store blocks kept verified between steps
+# a block the lower stores lacked is not asked for again for this long (unless this engine hands
+# it down meanwhile): a request whose blocks were read in several reads sees them all answered
+MISS_MEMORY_S = 2.0
 logger = logging.getLogger("kvserve")
 
 
@@ -36,10 +40,7 @@ class OffloadManager:
         # engine thread (collect), so only the engine thread touches it
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-store-reads") if self.stores else None
         self._reading: dict[bytes, Future[dict[bytes, torch.Tensor]]] = {}
-        # blocks the stores lacked, answered for the rest of the step whose lookups found the read
-        # done (a later step asks again: this engine or another may have written them since)
-        self._missed: set[bytes] = set()
-        self._missed_step = self._step = 0
+        self._missed: OrderedDict[bytes, float] = OrderedDict()  # key -> when the stores lacked it
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
         self._shares = any(store.shared for store in self.stores)
         self._published: list[tuple[int, bytes]] = []  # (pool block, key) published this step, for shared stores
@@ -61,11 +62,12 @@ class OffloadManager:
 
     def prefetch(self, keys: list[bytes]) -> bool:
         """Start reading the lower stores' blocks among ``keys`` (those tier 1 lacks, not read
-        already, not found missing this step) on the loader thread, in one request per store
+        already, not found missing within MISS_MEMORY_S) on the loader thread, in one request per store
         (one network round trip for a remote store, not one per block). True once no key of
         ``keys`` is still being read: ``holds`` then answers from what was read."""
-        if self._missed_step != self._step:
-            self._missed.clear()
+        now = time.monotonic()
+        while self._missed and now - next(iter(self._missed.values())) > MISS_MEMORY_S:
+            self._missed.popitem(last=False)
         self._collect()
         wanted = [key for key in keys if key not in self._store_loaded and key not in self._reading
                   and key not in self._missed and (self.host_tier is None or key not in self.host_tier)]
@@ -88,7 +90,7 @@ class OffloadManager:
         done = {id(f): f for f in self._reading.values() if f.done()}
         if not done:
             return
-        self._missed_step = self._step
+        now = time.monotonic()
         for reading in done.values():
             try:
                 self._store_loaded.update(reading.result())
@@ -97,7 +99,7 @@ class OffloadManager:
         for key in [key for key, reading in self._reading.items() if id(reading) in done]:
             del self._reading[key]
             if key not in self._store_loaded:
-                self._missed.add(key)
+                self._missed[key] = now
 
     @property
     def reading(self) -> bool:
@@ -144,6 +146,8 @@ class OffloadManager:
     def take_published(self) -> list[tuple[int, bytes]]:
         """The blocks published since the last call (to write to shared stores after the step)."""
         published, self._published = self._published, []
+        for _, key in published if self._missed else ():
+            self._missed.pop(key, None)
         return published
 
     def discard(self, key: bytes) -> None:
@@ -178,8 +182,11 @@ class OffloadManager:
     def take_moves(self) -> TierMoves | None:
         """This step's copies between the pool and the tiers (run before the forward pass)."""
         self._trim_store_loaded()  # between steps only: within one, a hit found is still there at fill()
-        self._step += 1
-        return self.host_tier.take_moves() if self.host_tier is not None else None
+        moves = self.host_tier.take_moves() if self.host_tier is not None else None
+        if moves is not None and self._missed:  # blocks handed down now are no misses any more
+            for _, key in moves.spills + moves.pool_spills + moves.persist:
+                self._missed.pop(key, None)
+        return moves
 
     def _trim_store_loaded(self) -> None:
         held = sum(payload.numel() for payload in self._store_loaded.values())

@@ -180,7 +180,10 @@ def split_blocks(payloads: torch.Tensor, like: list[torch.Tensor]) -> list[torch
     views, offset = [], 0
     for t in like:
         size = t[0].numel() * t.element_size()
-        views.append(payloads[:, offset : offset + size].view(t.dtype).view(len(payloads), *t.shape[1:]))
+        part = payloads[:, offset : offset + size]
+        if payloads.stride(0) % t.element_size():  # rows not aligned to the element: copy the part
+            part = part.contiguous()
+        views.append(part.view(t.dtype).view(len(payloads), *t.shape[1:]))
         offset += size
     return views
 

@@ -112,7 +112,9 @@ class ReplicaServer:
             if isinstance(part, ResponseStart):
                 status = part.status
         for written in self.engine.engine.shared_writes():
-            await asyncio.to_thread(written.wait, SHARED_WRITE_TIMEOUT_S)
+            if not await asyncio.to_thread(written.wait, SHARED_WRITE_TIMEOUT_S):
+                logger.warning("the shared store took over %.0f s to take a prompt's blocks", SHARED_WRITE_TIMEOUT_S)
+                return 504
         return status
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -155,17 +157,19 @@ async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
 def prefill_body(body: bytes) -> bytes | None:
     """The prefill replica's copy of a completion request: the same prompt, one output token, no
     streaming; None when a prefill would not help (prompt_logprobs: the decode replica computes
-    such a prompt whole) or the body is no JSON object (the decode replica names the problem)."""
+    such a prompt whole, as echo with logprobs does) or the body is no JSON object (the decode
+    replica names the problem)."""
     try:
         request = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(request, dict) or request.get("prompt_logprobs"):
+    if not isinstance(request, dict) or request.get("prompt_logprobs") is not None or (
+            request.get("echo") and request.get("logprobs") is not None):
         return None
     for key in ("max_completion_tokens", "stream_options", "min_tokens", "logprobs", "top_logprobs", "echo"):
         request.pop(key, None)
     request.update(max_tokens=1, stream=False, n=1)
-    return json.dumps(request).encode()
+    return json.dumps(request, ensure_ascii=False).encode()
 
 
 ingress_app = FastAPI(title="kvserve (Ray Serve)", docs_url=None, redoc_url=None)
@@ -212,9 +216,11 @@ class Ingress:
         body = prefill_body(request.body)
         if self.prefill_replicas is None or not request.block_keys or body is None:
             return
+        headers = [(k, v) for k, v in request.headers if k != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
         try:
-            status = await self.prefill_replicas.prefill.remote(request._replace(body=body))
-        except (RayActorError, ActorUnavailableError) as exc:
+            status = await self.prefill_replicas.prefill.remote(request._replace(body=body, headers=headers))
+        except Exception as exc:  # a dead replica, or an error inside it: the decode replica computes it
             logger.warning("a prefill replica failed (%s): the decode replica computes the prompt", exc)
             status = 0
         router_metrics.PREFILLS.labels("done" if status == 200 else "failed").inc()

@@ -8,8 +8,9 @@ cache uses), not what the replica really kept. Each replica's record is an LRU l
 replica evicts; replicas may also report evictions (``forget``).
 
 With a store every replica reads (``--kv-offload-remote``), a block computed anywhere is written
-there once its step is done, so the index also keeps one shared LRU list: a prefix in it is a
-hit on every replica (a slower one than the replica's own pool, so it only breaks ties of load).
+there once its step is done, so the index also keeps one shared LRU list, filled as requests
+complete (by then their blocks were computed and written): a prefix in it is a hit on every
+replica, which then competes on load, the replica's own pool breaking ties.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ class PrefixIndex:
         return _leading(self._shared, keys)
 
     def insert(self, replica: ReplicaKey, keys: list[bytes]) -> None:
-        """``replica`` was sent a prompt with these block keys: they become its most recent (and
-        the shared store's, which the replica writes them to)."""
+        """``replica`` was sent a prompt with these block keys: they become its most recent."""
         _touch(self._blocks.setdefault(replica, OrderedDict()), keys, self.capacity_blocks)
+
+    def insert_shared(self, keys: list[bytes]) -> None:
+        """A request with these block keys completed: the shared store holds them (no-op without one)."""
         if self.shared_capacity_blocks:
             _touch(self._shared, keys, self.shared_capacity_blocks)
 

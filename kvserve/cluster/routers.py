@@ -94,6 +94,10 @@ class KVAwareRouter(RequestRouter):
         # since Ray may call choose_replicas for the next request before routing this one, and
         # not from Ray's cached queue lengths, which lag by seconds.
         self._charged: dict[str, Route] = {}
+        # request id -> its prompt's block keys, counted in the shared store once it completes
+        # (counting them at routing time sent a burst on one new prefix to every replica at once,
+        # each reading blocks not yet written and computing them)
+        self._unshared: dict[str, list[bytes]] = {}
         self._load: dict[str, int] = {}
         self._choices = itertools.count()
         self._last_chosen: dict[str, int] = {}  # unmatched requests and ties take the one chosen least recently
@@ -150,9 +154,14 @@ class KVAwareRouter(RequestRouter):
             router_metrics.MATCHED_BLOCKS.inc(max(self.index.matched_blocks(replica, keys),
                                                   self.index.shared_blocks(keys)))
             self.index.insert(replica, keys)
+            if self.index.shared_capacity_blocks:
+                self._unshared[request_id] = keys
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._charge(internal_request_id, None)
+        keys = self._unshared.pop(internal_request_id, None)
+        if keys is not None:
+            self.index.insert_shared(keys)
 
 ROUTERS: dict[str, type[RequestRouter]] = {"round-robin": RoundRobinRouter, "power-of-two": PowerOfTwoRouter,
                                            "kv-aware": KVAwareRouter}
