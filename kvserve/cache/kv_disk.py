@@ -109,7 +109,6 @@ class DiskTier(WritesInBackground):
     def wants(self, key: bytes) -> bool:
         return self.capacity_blocks > 0 and key not in self
 
-
     def _write_blocks(self, blocks: list[Block]) -> None:
         for key, tensors in blocks:
             self._write(key, tensors)
@@ -154,21 +153,21 @@ class DiskTier(WritesInBackground):
             self._forget(key)
             logger.warning("KV disk tier: block %s… is missing or damaged; recomputing it", key.hex()[:12])
             return None
-        tensors = payload_tensor(payload)
+        block = payload_tensor(payload)
         with self._lock:
             if key in self.index:
                 self.index.move_to_end(key)
             self.hits += 1
             self.blocks_out += 1
         self.load_seconds.append(time.perf_counter() - start)
-        return tensors
+        return block
 
     def load_many(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
         found = {}
         for key in keys:
-            tensors = self.load(key) if key in self else None
-            if tensors is not None:
-                found[key] = tensors
+            block = self.load(key) if key in self else None
+            if block is not None:
+                found[key] = block
         return found
 
     def stats(self) -> TierStats:

@@ -20,6 +20,7 @@ STORE_LOADED_BYTES = 256 << 20  # lower-store blocks kept verified between steps
 # a block the lower stores lacked is not asked for again for this long (unless this engine hands
 # it down meanwhile): a request whose blocks were read in several reads sees them all answered
 MISS_MEMORY_S = 2.0
+Read = tuple[Future[dict[bytes, torch.Tensor]], list[bytes]]  # a read under way and the keys it reads
 logger = logging.getLogger("kvserve")
 
 
@@ -39,7 +40,8 @@ class OffloadManager:
         # reads run on a loader thread while steps compute; results join _store_loaded on the
         # engine thread (collect), so only the engine thread touches it
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-store-reads") if self.stores else None
-        self._reading: dict[bytes, Future[dict[bytes, torch.Tensor]]] = {}
+        self._reads: list[Read] = []
+        self._reading: set[bytes] = set()  # the keys of the reads under way
         self._missed: OrderedDict[bytes, float] = OrderedDict()  # key -> when the stores lacked it
         self.num_swaps_out = self.num_swaps_in = self.num_swap_fallbacks = 0
         self._shares = any(store.shared for store in self.stores)
@@ -72,8 +74,8 @@ class OffloadManager:
         wanted = [key for key in keys if key not in self._store_loaded and key not in self._reading
                   and key not in self._missed and (self.host_tier is None or key not in self.host_tier)]
         if wanted and self._loader is not None:
-            reading = self._loader.submit(self._read, wanted)
-            self._reading.update(dict.fromkeys(wanted, reading))
+            self._reads.append((self._loader.submit(self._read, wanted), wanted))
+            self._reading.update(wanted)
         return not any(key in self._reading for key in keys)
 
     def _read(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
@@ -87,19 +89,19 @@ class OffloadManager:
 
     def _collect(self) -> None:
         """Reads that finished: their blocks join the verified ones, their misses are remembered."""
-        done = {id(f): f for f in self._reading.values() if f.done()}
-        if not done:
-            return
         now = time.monotonic()
-        for reading in done.values():
+        finished: list[Read] = []
+        pending: list[Read] = []
+        for entry in self._reads:  # one look at each read: it may finish meanwhile
+            (finished if entry[0].done() else pending).append(entry)
+        self._reads = pending
+        for read, keys in finished:
             try:
-                self._store_loaded.update(reading.result())
+                self._store_loaded.update(read.result())
             except Exception:  # stores do not raise; if one did, its blocks are misses
                 logger.exception("KV lower store: a read failed; its blocks are recomputed")
-        for key in [key for key, reading in self._reading.items() if id(reading) in done]:
-            del self._reading[key]
-            if key not in self._store_loaded:
-                self._missed[key] = now
+            self._reading.difference_update(keys)
+            self._missed.update((key, now) for key in keys if key not in self._store_loaded)
 
     @property
     def reading(self) -> bool:
@@ -109,8 +111,8 @@ class OffloadManager:
     def wait_for_reads(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until one of the reads under way finishes: an engine with
         nothing to compute but a request whose blocks are on their way waits here, not spinning."""
-        if self._reading:
-            wait(set(self._reading.values()), timeout_s, return_when=FIRST_COMPLETED)
+        if self._reads:
+            wait([read for read, _ in self._reads], timeout_s, return_when=FIRST_COMPLETED)
 
     def close(self) -> None:
         if self._loader is not None:

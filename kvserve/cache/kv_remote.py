@@ -58,7 +58,7 @@ class RemoteTier(WritesInBackground):
         self._errors_seen: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._lock = threading.Lock()  # owns the counters and _down_until
         self._down_until = 0.0
-        self.hits = self.blocks_in = self.blocks_out = self.errors = self.misses = 0
+        self.hits = self.blocks_in = self.blocks_out = self.errors = 0
         self.load_seconds: deque[float] = deque(maxlen=4096)
         # keys this engine read from the server or wrote to it, with when: writing them again
         # (a block read from the store and later evicted from the pool) would only cost time
@@ -89,8 +89,6 @@ class RemoteTier(WritesInBackground):
     def _checked(self, key: bytes, data: bytes | None) -> torch.Tensor | None:
         """The block ``data`` holds, if it is there and sealed under this namespace and key."""
         if data is None:
-            with self._lock:
-                self.misses += 1
             return None
         payload = unseal(self.namespace, key, self.block_bytes, data)
         if payload is None:
@@ -171,7 +169,6 @@ class RemoteTier(WritesInBackground):
             return
         with self._lock:
             self.blocks_in += len(blocks)
-
 
     def stats(self) -> TierStats:
         """Blocks read and written by this engine (the server's own size is its business)."""

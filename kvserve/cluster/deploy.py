@@ -213,8 +213,10 @@ class Ingress:
         """With disaggregation: the prompt computed on a prefill replica, its blocks in the shared
         store, before the decode replica gets the request. A failure is logged and counted: the
         decode replica then computes the prompt itself."""
+        if self.prefill_replicas is None or not request.block_keys:
+            return
         body = prefill_body(request.body)
-        if self.prefill_replicas is None or not request.block_keys or body is None:
+        if body is None:
             return
         headers = [(k, v) for k, v in request.headers if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
