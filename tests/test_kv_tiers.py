@@ -7,13 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.block_pool import KVCacheBlock
+from kvserve.cache.block_store import HEADER
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.kv_tiers import TierIndex, TierMoves
+from kvserve.cache.kv_tiers import TierIndex, TierMoves, split_blocks
+from kvserve.model.cpu_kernels import cpu_op
 
 
 def documents(num_docs: int, length: int, questions: int) -> list[list[int]]:
@@ -347,7 +350,7 @@ def test_int4_blocks_go_to_disk_in_their_stored_format_and_come_back(tiny_model_
     assert [o.token_ids for o in _one_by_one(first, prompts, PARAMS)] == expected
     first.engine.kv_manager.disk_tier.flush()  # type: ignore[union-attr]
     file = next(tmp_path.glob("*/*/*.kvb"))
-    assert file.stat().st_size == 112 + probe.kv_block_bytes  # header + the int4 block with its scales
+    assert file.stat().st_size == HEADER.size + probe.kv_block_bytes  # header + the int4 block with its scales
     second = LLM(path, **common, **tiers)
     assert [o.token_ids for o in _one_by_one(second, prompts[:6], PARAMS)] == expected[:6]
     assert second.kv_stats().tiers[1].hits > 0
@@ -399,3 +402,27 @@ def test_a_prompt_read_in_two_reads_is_answered_once_both_are_done(tmp_path: Pat
     offload.wait_for_reads(10)
     assert offload.prefetch([held, absent]) and offload.holds(held) and not offload.holds(absent)
     assert not offload.reading
+
+
+def test_blocks_read_back_land_in_the_pool_as_the_torch_path_puts_them(isa: str) -> None:
+    """copy_blocks_in writes each payload's rows (block_store's format) into its pool blocks as
+    split_blocks + index_copy_ do, for pool tensors of mixed dtypes and an odd row size; a payload
+    of the wrong size or a block outside the pool is refused."""
+    copy_in = cpu_op("copy_blocks_in")
+    assert copy_in is not None
+    gen = torch.Generator().manual_seed(0)
+    like = [torch.zeros(9, 2, 16, 8, dtype=torch.bfloat16), torch.zeros(9, 2, 16, 4, dtype=torch.uint8),
+            torch.zeros(9, 2, 3, dtype=torch.float32), torch.zeros(9, 5, dtype=torch.int8)]
+    row_bytes = sum(t[0].numel() * t.element_size() for t in like)
+    payloads = [torch.randint(0, 256, (row_bytes,), dtype=torch.uint8, generator=gen) for _ in range(4)]
+    blocks = torch.tensor([7, 0, 3, 8])
+    expected = [t.clone() for t in like]
+    for pool, loaded in zip(expected, split_blocks(torch.stack(payloads), expected), strict=True):
+        pool.index_copy_(0, blocks, loaded)
+    copy_in(like, blocks, payloads)
+    for got, want in zip(like, expected, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="payloads of"):
+        copy_in(like, blocks[:1], [payloads[0][:-1]])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        copy_in(like, torch.tensor([9]), payloads[:1])

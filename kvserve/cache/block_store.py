@@ -5,9 +5,12 @@ A store keeps prefix blocks by content key (the prefix cache's chained token has
 stored format (an int4 block stays int4, with its scales). Every block is *sealed*: a header with
 the store's *namespace* (a digest of everything that decides what a block's bytes mean: model
 fingerprint, KV dtype, format version, block size, key-scale mode, layers kept in the model
-dtype, the scales file's hash), the block's key, its length and a SHA-256 of its bytes. A block
-is only ever read back when all of these match, so a store shared with another model, format or
-replica of another configuration is never misread, and a damaged block is a miss, not a token.
+dtype, the scales file's hash), the block's key, its length and an XXH3-128 checksum of its
+bytes. A block is only ever read back when all of these match, so a store shared with another
+model, format or replica of another configuration is never misread, and a damaged block is a
+miss, not a token. The checksum guards against damage, not against a writer with access to the
+store (no unkeyed digest could: such a writer recomputes it); it runs at memory speed, where a
+SHA-256 over a document's blocks cost as long as fetching them.
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ import logging
 import queue
 import struct
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import xxhash
 
 from kvserve.cache.kv_tiers import TierStats
 
-MAGIC = b"KVSBLK01"
-FORMAT_VERSION = 1  # bump when the stored layout of any KV format changes
-HEADER = struct.Struct("<8s32s32sQ32s")  # MAGIC | namespace | key | payload length | SHA-256 of the payload
+MAGIC = b"KVSBLK02"
+FORMAT_VERSION = 2  # bump when the stored layout of any KV format changes
+HEADER = struct.Struct("<8s32s32sQ16s")  # MAGIC | namespace | key | payload length | XXH3-128 of the payload
+# payload_tensor views a store's read-only reply in place: torch warns once that it could write there
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 logger = logging.getLogger("kvserve")
 
@@ -43,7 +50,7 @@ def seal(space: bytes, key: bytes, tensors: list[torch.Tensor]) -> bytearray:
     sealed = bytearray(HEADER.size + size)
     torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors],
               out=torch.frombuffer(sealed, dtype=torch.uint8)[HEADER.size :])
-    digest = hashlib.sha256(memoryview(sealed)[HEADER.size :]).digest()
+    digest = xxhash.xxh3_128_digest(memoryview(sealed)[HEADER.size :])
     HEADER.pack_into(sealed, 0, MAGIC, space, key, size, digest)
     return sealed
 
@@ -57,13 +64,13 @@ def unseal(space: bytes, key: bytes, payload_bytes: int, data: bytes | bytearray
     payload = memoryview(data)[HEADER.size :]
     if (magic, block_space, block_key, length) != (MAGIC, space, key, payload_bytes):
         return None
-    return payload if hashlib.sha256(payload).digest() == digest else None
+    return payload if xxhash.xxh3_128_digest(payload) == digest else None
 
 
 def payload_tensor(payload: memoryview) -> torch.Tensor:
-    """A block's payload as a uint8 tensor: a view of it where it is writable (a buffer the
-    caller owns), else of one copy."""
-    return torch.frombuffer(payload if not payload.readonly else bytearray(payload), dtype=torch.uint8)
+    """A block's payload as a uint8 tensor viewing it in place (no copy). Invariant: nothing
+    writes into it (a store's reply may be an immutable ``bytes``); blocks are copied out of it."""
+    return torch.frombuffer(payload, dtype=torch.uint8)
 
 
 Block = tuple[bytes, list[torch.Tensor]]  # a key and its per-block tensors, on the host

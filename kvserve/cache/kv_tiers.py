@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.model.cpu_kernels import cpu_op
+
 
 class TierStats(NamedTuple):
     name: str
@@ -216,8 +218,12 @@ class HostBlockStore:
                 pool.index_copy_(0, blocks.to(pool.device), host.index_select(0, slots).to(pool.device))
             per_block_seconds = (time.perf_counter() - start) / len(moves.promotions)
             self.load_seconds.extend([per_block_seconds] * len(moves.promotions))
-        if moves.loads:  # one copy per pool tensor for all the step's blocks, not one per block and tensor
+        if moves.loads:
             blocks = torch.tensor([b for b, _ in moves.loads], dtype=torch.long)
-            payloads = torch.stack([payload for _, payload in moves.loads])
-            for pool, loaded in zip(per_block, split_blocks(payloads, per_block), strict=True):
-                pool.index_copy_(0, blocks.to(pool.device), loaded.to(pool.device))
+            payloads = [payload for _, payload in moves.loads]
+            copy_in = cpu_op("copy_blocks_in") if all(pool.device.type == "cpu" for pool in per_block) else None
+            if copy_in is not None:  # one memcpy per block and tensor, from the payloads in place
+                copy_in(per_block, blocks, payloads)
+            else:  # one copy per pool tensor for all the step's blocks, not one per block and tensor
+                for pool, loaded in zip(per_block, split_blocks(torch.stack(payloads), per_block), strict=True):
+                    pool.index_copy_(0, blocks.to(pool.device), loaded.to(pool.device))

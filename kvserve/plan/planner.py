@@ -233,7 +233,7 @@ def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_m
         report.tier_sessions = report.kv_offload_memory_bytes // blocks_bytes
     if kv_offload_disk_size:
         report.kv_offload_disk_bytes = parse_size(kv_offload_disk_size, "kv_offload_disk_size")
-        report.disk_sessions = report.kv_offload_disk_bytes // blocks_bytes  # (each file adds a 112-byte header)
+        report.disk_sessions = report.kv_offload_disk_bytes // blocks_bytes  # (each file adds a 96-byte header)
     report.advice = _advice(report, spec)
     return report
 

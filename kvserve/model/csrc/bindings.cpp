@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_blocks", &quantize_blocks,
         "whole blocks into an int4 or per-block int8 pool as the torch path: (src, rows, block_ids, kind, data, "
         "key_scales, value_scales) -> bool");
+  m.def("copy_blocks_in", &copy_blocks_in,
+        "blocks read from a lower store into the pool: payload i (uint8, block_store's format) holds block_ids[i]'s "
+        "row of each pool tensor in order: (pools, block_ids, payloads)");
   m.def("rope_and_write_kv_int8", &rope_and_write_kv_int8,
         "rope_and_write_kv into an int8 pool: keys by static per-channel scales, values per token: (qkv, cos, sin, "
         "kv_cache, slots, heads, key_scales, value_scales, clipped)");

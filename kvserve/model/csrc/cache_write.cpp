@@ -1,6 +1,7 @@
 // Writing K/V into the pool: rope_and_write_kv (rotary on the fused qkv in place, then each
-// token's K/V into its slot), its int8 variant with static key scales, and quantize_blocks
-// (whole int4 / per-block int8 blocks from full-precision rows).
+// token's K/V into its slot), its int8 variant with static key scales, quantize_blocks
+// (whole int4 / per-block int8 blocks from full-precision rows), and copy_blocks_in (blocks
+// read back from a lower store).
 #include "common.h"
 #include "ops.h"
 
@@ -333,3 +334,39 @@ void rope_and_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   });
 }
 
+
+// Blocks read back from a lower store into the pool: payload i holds block block_ids[i]'s row of
+// every pool tensor, in order (block_store's format). One memcpy per block and tensor, blocks in
+// parallel, straight from the store's reply: no staging copy, and no element-wise gather.
+void copy_blocks_in(std::vector<torch::Tensor> pools, torch::Tensor block_ids, std::vector<torch::Tensor> payloads) {
+  TORCH_CHECK(block_ids.scalar_type() == torch::kLong && block_ids.dim() == 1 &&
+                  block_ids.numel() == static_cast<int64_t>(payloads.size()),
+              "int64 block ids, one per payload");
+  std::vector<char*> bases;
+  std::vector<int64_t> row_bytes;
+  int64_t payload_bytes = 0;
+  const int64_t count = block_ids.numel();
+  auto ids = block_ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (const auto& pool : pools) {
+    TORCH_CHECK(pool.device().is_cpu() && pool.is_contiguous() && pool.dim() >= 1, "contiguous CPU pool tensors");
+    for (int64_t i = 0; i < count; ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < pool.size(0), "block id ", id[i], " outside the pool's ", pool.size(0));
+    bases.push_back(static_cast<char*>(pool.data_ptr()));
+    row_bytes.push_back(pool.numel() / std::max<int64_t>(pool.size(0), 1) * pool.element_size());
+    payload_bytes += row_bytes.back();
+  }
+  for (const auto& payload : payloads)
+    TORCH_CHECK(payload.device().is_cpu() && payload.is_contiguous() && payload.scalar_type() == torch::kByte &&
+                    payload.numel() == payload_bytes,
+                "uint8 payloads of ", payload_bytes, " bytes (the pool's row of every tensor)");
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const char* src = static_cast<const char*>(payloads[i].data_ptr());
+      for (size_t t = 0; t < bases.size(); ++t) {
+        std::memcpy(bases[t] + id[i] * row_bytes[t], src, row_bytes[t]);
+        src += row_bytes[t];
+      }
+    }
+  });
+}

@@ -31,6 +31,7 @@ void rope_and_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             torch::Tensor value_scales, torch::Tensor clipped);
 bool quantize_blocks(torch::Tensor src, torch::Tensor rows, torch::Tensor block_ids, int64_t kind, torch::Tensor data,
                      torch::Tensor key_scales, torch::Tensor value_scales);
+void copy_blocks_in(std::vector<torch::Tensor> pools, torch::Tensor block_ids, std::vector<torch::Tensor> payloads);
 
 // layers.cpp
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
