@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_remote import RemoteTier
@@ -193,3 +194,18 @@ def test_a_prefill_engine_hands_a_prompt_to_a_decode_engine_through_the_store(
         assert output.num_cached_tokens == handed
         assert (store.stats().blocks_out - read_before) * store.block_bytes == handed * per_token
     assert store.stats().errors == 0
+
+
+def test_a_write_dropped_behind_a_slow_store_is_counted_and_offered_again(server: RedisServer) -> None:
+    """A block the writer's bound turns away is an error in the store's stats and is not
+    remembered as stored: the next put of it writes it."""
+    tier = RemoteTier(server.url, "ab" * 32, block_bytes=64, ttl_s=60)
+    block = [torch.arange(64, dtype=torch.uint8)]
+    tier._writer.max_pending_bytes = 0
+    tier.put(b"k" * 32, block)
+    assert tier.stats().errors == 1 and tier.wants(b"k" * 32)
+    tier._writer.max_pending_bytes = 1 << 20
+    tier.put(b"k" * 32, block)
+    tier.flush()
+    assert tier.stats().blocks_in == 1 and set(tier.load_many([b"k" * 32])) == {b"k" * 32}
+    tier.close()

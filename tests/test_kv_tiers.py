@@ -3,6 +3,8 @@ promoted back on a hit, in their stored format; outputs never change."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.block_pool import KVCacheBlock
-from kvserve.cache.block_store import HEADER
+from kvserve.cache.block_store import HEADER, BackgroundWriter
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_tiers import TierIndex, TierMoves, split_blocks
 from kvserve.model.cpu_kernels import cpu_op
@@ -426,3 +428,33 @@ def test_blocks_read_back_land_in_the_pool_as_the_torch_path_puts_them(isa: str)
         copy_in(like, blocks[:1], [payloads[0][:-1]])
     with pytest.raises(RuntimeError, match="outside the pool"):
         copy_in(like, torch.tensor([9]), payloads[:1])
+
+
+def test_a_store_writer_drops_blocks_beyond_its_bound_and_takes_them_again_once_caught_up(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Behind a store slower than the steps the queued bytes stay bounded: a block that would
+    exceed the bound is dropped and counted (one warning per backlog); what was accepted is
+    written in order; once the store catches up, blocks are taken again."""
+    release, written = threading.Event(), []
+
+    def slow_store(blocks: list[tuple[bytes, list[torch.Tensor]]]) -> None:
+        release.wait(10)
+        written.extend(key for key, _ in blocks)
+
+    writer = BackgroundWriter(slow_store, "test-store", max_pending_bytes=3 * 1024)
+    block = [torch.zeros(1024, dtype=torch.uint8)]
+    logger = logging.getLogger("kvserve")  # once an LLM is built it does not propagate to caplog's root
+    logger.addHandler(caplog.handler)
+    try:
+        accepted = [writer.submit(bytes([i]), block) for i in range(6)]
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert accepted == [True, True, True, False, False, False]
+    assert writer.dropped == 3 and writer.pending_bytes == 3 * 1024
+    assert sum("falls behind" in r.getMessage() for r in caplog.records) == 1
+    release.set()
+    writer.flush()
+    assert written == [b"\x00", b"\x01", b"\x02"] and writer.pending_bytes == 0
+    assert writer.submit(b"\x07", block)
+    writer.close()
+    assert written[-1] == b"\x07" and writer.dropped == 3

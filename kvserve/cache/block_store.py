@@ -46,7 +46,7 @@ def namespace(*parts: object) -> str:
 
 def seal(space: bytes, key: bytes, tensors: list[torch.Tensor]) -> bytearray:
     """A block's per-block tensors (on the host), in order, after the header: one copy."""
-    size = sum(t.numel() * t.element_size() for t in tensors)
+    size = block_bytes(tensors)
     sealed = bytearray(HEADER.size + size)
     torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors],
               out=torch.frombuffer(sealed, dtype=torch.uint8)[HEADER.size :])
@@ -75,22 +75,50 @@ def payload_tensor(payload: memoryview) -> torch.Tensor:
 
 Block = tuple[bytes, list[torch.Tensor]]  # a key and its per-block tensors, on the host
 WRITE_BATCH = 32  # blocks a writer hands its store at once, at most (a remote store pipelines them)
+# bytes of blocks queued for a store, at most: behind a store slower than the steps, writes are
+# dropped (counted, logged once per backlog) instead of host memory growing without bound
+MAX_PENDING_BYTES = 256 << 20
+
+
+def block_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class BackgroundWriter:
     """Writes blocks on a thread of its own, in order, so that a step never waits for a store:
     ``write(blocks)`` runs there with the blocks submitted so far (up to WRITE_BATCH, sealing
-    them too); it must not raise."""
+    them too); it must not raise. At most ``max_pending_bytes`` of blocks wait; beyond, a block
+    is dropped and counted in ``dropped``."""
 
-    def __init__(self, write: Callable[[list[Block]], None], name: str) -> None:
+    def __init__(self, write: Callable[[list[Block]], None], name: str,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._write = write
+        self.name, self.max_pending_bytes = name, max_pending_bytes
         self._queue: queue.Queue[Block | threading.Event | None] = queue.Queue()
+        self._lock = threading.Lock()  # owns pending_bytes and dropped
+        self.pending_bytes = self.dropped = 0
+        self._backlog = False  # dropping since the last block accepted (logged once per backlog)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, tensors: list[torch.Tensor]) -> None:
-        """Queue a block (its per-block tensors on the host, which nothing may change after)."""
-        self._queue.put((key, tensors))
+    def submit(self, key: bytes, tensors: list[torch.Tensor]) -> bool:
+        """Queue a block (its per-block tensors on the host, which nothing may change after);
+        False (the block dropped and counted) while the blocks waiting would exceed the bound."""
+        size = block_bytes(tensors)
+        with self._lock:
+            accepted = self.pending_bytes + size <= self.max_pending_bytes
+            starts_backlog = not accepted and not self._backlog
+            self._backlog = not accepted
+            if accepted:
+                self.pending_bytes += size
+            else:
+                self.dropped += 1
+        if accepted:
+            self._queue.put((key, tensors))
+        elif starts_backlog:
+            logger.warning("%s: the store falls behind (%d MiB of blocks waiting); blocks are dropped until it "
+                           "catches up", self.name, self.pending_bytes >> 20)
+        return accepted
 
     @property
     def pending(self) -> int:
@@ -132,6 +160,8 @@ class BackgroundWriter:
                         self._write(blocks)
                 except Exception:  # a store's bug must not stop the thread (written() would hang)
                     logger.exception("KV store writer: %d blocks were not written", len(blocks))
+                with self._lock:
+                    self.pending_bytes -= sum(block_bytes(tensors) for _, tensors in blocks)
                 for item in items:
                     if isinstance(item, threading.Event):
                         item.set()

@@ -174,4 +174,5 @@ class DiskTier(WritesInBackground):
         with self._lock:
             blocks = len(self.index)
             return TierStats("disk", self.capacity_blocks * self.file_bytes, blocks * self.file_bytes, blocks,
-                             self.hits, self.blocks_in, self.blocks_out, self.evictions, 0, self.errors)
+                             self.hits, self.blocks_in, self.blocks_out, self.evictions, 0,
+                             self.errors + self._writer.dropped)

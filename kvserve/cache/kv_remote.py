@@ -143,9 +143,8 @@ class RemoteTier(WritesInBackground):
     def put(self, key: bytes, tensors: list[torch.Tensor]) -> None:
         """Queue a block (its per-block tensors, on the host) for the server, unless it is there
         or queued already (a failed write forgets every key: ``_failed``)."""
-        if self.wants(key):
+        if self.wants(key) and self._writer.submit(key, tensors):
             self._remember(key)
-            self._writer.submit(key, tensors)
 
     def wants(self, key: bytes) -> bool:
         return self._up() and not self._recently_stored(key)
@@ -168,4 +167,5 @@ class RemoteTier(WritesInBackground):
     def stats(self) -> TierStats:
         """Blocks read and written by this engine (the server's own size is its business)."""
         with self._lock:
-            return TierStats(self.name, 0, 0, 0, self.hits, self.blocks_in, self.blocks_out, 0, 0, self.errors)
+            errors = self.errors + self._writer.dropped
+        return TierStats(self.name, 0, 0, 0, self.hits, self.blocks_in, self.blocks_out, 0, 0, errors)

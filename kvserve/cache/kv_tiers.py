@@ -38,7 +38,7 @@ class TierStats(NamedTuple):
     blocks_out: int  # blocks promoted out of it
     evictions: int  # blocks dropped because the tier was full
     discarded: int  # copies dropped because the pool had recomputed the same block
-    errors: int = 0  # disk: blocks found missing or damaged (recomputed), writes that failed
+    errors: int = 0  # lower stores: blocks found missing or damaged (recomputed), writes failed or dropped
 
 
 class TierMoves(NamedTuple):
