@@ -91,14 +91,19 @@ def main() -> int:
                                                        "output_throughput", "median_ttft_ms", "median_tpot_ms")
                              if key in run}
             print(name, results[name])
+        # the server's own counts of what the runs did (disaggregated prefills, prefix hits)
+        results["metrics"] = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                              for line in httpx.get(base + "/metrics").text.splitlines()
+                              if line.startswith(("kvserve:disaggregated_prefills", "kvserve:prefix_cache_hit"))
+                              and "_created" not in line}
     finally:
         server.terminate()
         server.wait(timeout=60)
         if redis_server is not None:
             redis_server.kill()
     Path(args.out).write_text(json.dumps({"serve_args": serve_args, **results}, indent=1))
-    return 0 if all(r.get("failed", 1) == 0 and r.get("completed") == args.num_prompts
-                    for r in results.values()) else 1
+    return 0 if all(results[name].get("failed", 1) == 0 and results[name].get("completed") == args.num_prompts
+                    for name in BACKENDS) else 1
 
 
 if __name__ == "__main__":
