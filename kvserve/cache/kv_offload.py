@@ -148,9 +148,15 @@ class OffloadManager:
     def take_published(self) -> list[tuple[int, bytes]]:
         """The blocks published since the last call (to write to shared stores after the step)."""
         published, self._published = self._published, []
-        for _, key in published if self._missed else ():
-            self._missed.pop(key, None)
+        self._no_longer_missing(published)
         return published
+
+    def _no_longer_missing(self, *handed_down: list[tuple[int, bytes]]) -> None:
+        """Blocks (slot or pool block, key) this engine hands down to the stores now: the stores
+        will hold them, so a miss remembered for them is forgotten."""
+        for blocks in handed_down if self._missed else ():
+            for _, key in blocks:
+                self._missed.pop(key, None)
 
     def discard(self, key: bytes) -> None:
         """The pool published ``key`` again: tier 1's copy is dropped (exclusive tiers)."""
@@ -185,9 +191,8 @@ class OffloadManager:
         """This step's copies between the pool and the tiers (run before the forward pass)."""
         self._trim_store_loaded()  # between steps only: within one, a hit found is still there at fill()
         moves = self.host_tier.take_moves() if self.host_tier is not None else None
-        if moves is not None and self._missed:  # blocks handed down now are no misses any more
-            for _, key in moves.spills + moves.pool_spills + moves.persist:
-                self._missed.pop(key, None)
+        if moves is not None:
+            self._no_longer_missing(moves.spills, moves.pool_spills, moves.persist)
         return moves
 
     def _trim_store_loaded(self) -> None:
