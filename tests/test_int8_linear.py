@@ -189,6 +189,27 @@ def test_fused_swiglu_is_silu_of_the_int8_products(dtype: torch.dtype, bias: boo
         _assert_within_rounding(out, expected, dtype)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@kernel_levels
+def test_int8_kernel_over_blocks_of_rows_and_weights(gated: bool, isa: str) -> None:
+    """A prefill-sized int8 layer: 200 rows (the avx2 kernel's 96-row blocks, its 6-row tiles and
+    their tails) of 4,096 inputs (its weights in blocks of 4 groups of 16 channels, so 144 outputs
+    or 80 gated pairs cross three blocks) are the exact rescaled int8 products, rounded once."""
+    torch.manual_seed(2)
+    out_features = 160 if gated else 144
+    linear = nn.Linear(4096, out_features, bias=True)
+    layer = Int8Linear(linear)
+    assert layer.kernel_packed is not None and layer.fuse_silu() == gated
+    x = _rows(torch.float32, 200, 4096).view(1, 200, 4096)
+    expected = _reference(linear, x)
+    if gated:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = nn.functional.silu(gate) * up
+    out = layer(x)
+    assert out.shape == expected.shape
+    _assert_within_rounding(out, expected, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("gated", [False, True])

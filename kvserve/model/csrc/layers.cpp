@@ -826,8 +826,10 @@ struct Int8PairArgs {
   bool gated;              // (gate, up) group pairs -> silu(gate) * up, out [m, n / 2]
 };
 
-template <int MR, int NG, typename T>
-static void pair_tile(const Int8PairArgs& a, int64_t row, int64_t group, T* out) {
+// The sums of MR rows x groups [group, group + NG) into sums[row][16 NG], accumulators as arrays
+// (GCC keeps them in registers for the small tiles).
+template <int MR, int NG>
+static void pair_sums(const Int8PairArgs& a, int64_t row, int64_t group, int32_t (*sums)[NG * 16]) {
   constexpr int kPerGroup = 16 / PairVec::kLanes, NV = NG * kPerGroup;  // accumulators per row
   PairVec::V acc[MR][NV];
   for (auto& row_acc : acc)
@@ -849,14 +851,84 @@ static void pair_tile(const Int8PairArgs& a, int64_t row, int64_t group, T* out)
       for (int i = 0; i < MR; ++i) acc[i][v] = PairVec::madd_add(acc[i][v], pairs[i], wv);
     }
   }
-  alignas(64) int32_t sums[NG * 16];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) PairVec::store(sums[i] + v * PairVec::kLanes, acc[i][v]);
+}
+
+#if defined(__AVX2__)
+// Prefill's tile: 6 rows x one group's 16 channels, the 12 sums pinned in registers by hand. Each
+// k pair widens the group's two weight vectors once and serves all 6 rows (a broadcast and two
+// pmaddwd a row). Written in C++ as arrays, GCC 12 spilled half the sums to the stack every step
+// (151 GOP/s at 2,048 rows on a Zen 4, against 194 for the 4-row tile). sums[i] at sums + i * stride.
+constexpr int kPairRows = 6;
+
+static void pair_sums_6x16(const int8_t* w, const int16_t* x, int64_t k, int32_t* sums, int64_t stride) {
+  // ymm0-11: row i's sums of channels 0-7 in ymm(2i), 8-15 in ymm(2i + 1); ymm12-13 the widened
+  // weights, ymm14 a row's broadcast pair, ymm15 a product
+  const char* x0 = reinterpret_cast<const char*>(x);
+  const char* x3 = x0 + 3 * 2 * k;
+  const int64_t row_bytes = 2 * k, stride_bytes = 4 * stride;
+  int64_t pairs = k / 2;
+  int32_t* s3 = sums + 3 * stride;
+#define KVSERVE_PAIR_ROW(ADDR, A, B)                                                  \
+  "vpbroadcastd " ADDR ", %%ymm14\n\t"                                               \
+  "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %%ymm" A ", %%ymm" A "\n\t" \
+  "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %%ymm" B ", %%ymm" B "\n\t"
+#define KVSERVE_PAIR_STORE(ADDR, A, B) "vmovdqu %%ymm" A ", " ADDR "\n\tvmovdqu %%ymm" B ", 32+" ADDR "\n\t"
+  asm volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvmovdqa %%ymm0, %%ymm1\n\tvmovdqa %%ymm0, %%ymm2\n\t"
+      "vmovdqa %%ymm0, %%ymm3\n\tvmovdqa %%ymm0, %%ymm4\n\tvmovdqa %%ymm0, %%ymm5\n\tvmovdqa %%ymm0, %%ymm6\n\t"
+      "vmovdqa %%ymm0, %%ymm7\n\tvmovdqa %%ymm0, %%ymm8\n\tvmovdqa %%ymm0, %%ymm9\n\tvmovdqa %%ymm0, %%ymm10\n\t"
+      "vmovdqa %%ymm0, %%ymm11\n\t"
+      "test %[n], %[n]\n\tjz 2f\n"
+      "1:\n\t"
+      "vpmovsxbw (%[w]), %%ymm12\n\t"
+      "vpmovsxbw 16(%[w]), %%ymm13\n\t"
+      KVSERVE_PAIR_ROW("(%[x0])", "0", "1")
+      KVSERVE_PAIR_ROW("(%[x0],%[rb])", "2", "3")
+      KVSERVE_PAIR_ROW("(%[x0],%[rb],2)", "4", "5")
+      KVSERVE_PAIR_ROW("(%[x3])", "6", "7")
+      KVSERVE_PAIR_ROW("(%[x3],%[rb])", "8", "9")
+      KVSERVE_PAIR_ROW("(%[x3],%[rb],2)", "10", "11")
+      "add $32, %[w]\n\tadd $4, %[x0]\n\tadd $4, %[x3]\n\tdec %[n]\n\tjnz 1b\n"
+      "2:\n\t"
+      KVSERVE_PAIR_STORE("(%[s0])", "0", "1")
+      KVSERVE_PAIR_STORE("(%[s0],%[sb])", "2", "3")
+      KVSERVE_PAIR_STORE("(%[s0],%[sb],2)", "4", "5")
+      KVSERVE_PAIR_STORE("(%[s3])", "6", "7")
+      KVSERVE_PAIR_STORE("(%[s3],%[sb])", "8", "9")
+      KVSERVE_PAIR_STORE("(%[s3],%[sb],2)", "10", "11")
+      "vzeroupper\n\t"
+      : [w] "+r"(w), [x0] "+r"(x0), [x3] "+r"(x3), [n] "+r"(pairs)
+      : [rb] "r"(row_bytes), [s0] "r"(sums), [s3] "r"(s3), [sb] "r"(stride_bytes)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "cc", "memory");
+#undef KVSERVE_PAIR_ROW
+#undef KVSERVE_PAIR_STORE
+}
+#else
+constexpr int kPairRows = 0;  // no hand-written tile: the generic ones throughout
+#endif
+
+template <int MR, int NG, typename T>
+static void pair_tile(const Int8PairArgs& a, int64_t row, int64_t group, T* out) {
+  alignas(64) int32_t sums[MR][NG * 16];
+#if defined(__AVX2__)
+  if constexpr (MR == kPairRows) {
+    for (int j = 0; j < NG; ++j)
+      pair_sums_6x16(a.packed + (group + j) * a.k * 16, a.x + row * a.k, a.k, sums[0] + 16 * j, NG * 16);
+  } else {
+    pair_sums<MR, NG>(a, row, group, sums);
+  }
+#else
+  pair_sums<MR, NG>(a, row, group, sums);
+#endif
   float result[NG * 16];
   const int64_t channel = group * 16;
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < NV; ++v) PairVec::store(sums + v * PairVec::kLanes, acc[i][v]);
     const float x_scale = a.x_scales[row + i];
     for (int c = 0; c < NG * 16; ++c)
-      result[c] = static_cast<float>(sums[c]) * a.w_scales[channel + c] * x_scale +
+      result[c] = static_cast<float>(sums[i][c]) * a.w_scales[channel + c] * x_scale +
                   (a.bias != nullptr ? a.bias[channel + c] : 0.f);
     if constexpr (NG == 2) {  // gated: silu(gate) * up
       const int64_t half = a.n / 2, col = group / 2 * 16;
@@ -868,14 +940,39 @@ static void pair_tile(const Int8PairArgs& a, int64_t row, int64_t group, T* out)
   }
 }
 
-// Every row against groups [group, group + NG), MR rows a tile: as many as keep the sums, the
-// broadcast pairs and a weight vector within the 16 vector registers.
+// Rows [begin, end) against groups [group, group + NG): the hand-written 6-row tile with AVX2,
+// then tiles of as many rows as keep the sums, the broadcast pairs and a weight vector within the
+// 16 vector registers, then single rows.
 template <int NG, typename T>
-static void pair_rows(const Int8PairArgs& a, int64_t group, T* out) {
+static void pair_rows(const Int8PairArgs& a, int64_t group, int64_t begin, int64_t end, T* out) {
   constexpr int NV = NG * 16 / PairVec::kLanes, MR = std::clamp(15 / (NV + 1), 1, 4);
-  int64_t row = 0;
-  for (; row + MR <= a.m; row += MR) pair_tile<MR, NG>(a, row, group, out);
-  for (; row < a.m; ++row) pair_tile<1, NG>(a, row, group, out);
+  int64_t row = begin;
+  if constexpr (kPairRows > 0)
+    for (; row + kPairRows <= end; row += kPairRows) pair_tile<kPairRows, NG>(a, row, group, out);
+  for (; row + MR <= end; row += MR) pair_tile<MR, NG>(a, row, group, out);
+  for (; row < end; ++row) pair_tile<1, NG>(a, row, group, out);
+}
+
+// A thread's groups [begin, end) for every row, blocked for the caches: groups by blocks of up to
+// 256 KiB of weights (read from memory once, then kept in L2), and within a block rows by 96 (their
+// widened codes, 110 KiB at k = 576, stay in L2 while the block's groups pass). Every group over
+// all the rows had read the whole widened activations from L3 once per group (2.4 MB x 192 groups
+// for a 2,048-row gate/up projection: 139 ms against 107 blocked on a Zen 4).
+template <typename T>
+static void pair_gemm(const Int8PairArgs& a, int64_t begin, int64_t end, T* out) {
+  constexpr int64_t kRowBlock = 96, kBlockBytes = 256 << 10;
+  const int64_t step = a.gated ? 2 : 1;
+  const int64_t block = std::max<int64_t>(step, kBlockBytes / (16 * a.k) / step * step);
+  for (int64_t first = begin; first < end; first += block) {
+    const int64_t last = std::min(end, first + block);
+    for (int64_t row = 0; row < a.m; row += kRowBlock) {
+      const int64_t rows_end = std::min(a.m, row + kRowBlock);
+      for (int64_t g = first; g < last; g += step) {
+        if (a.gated) pair_rows<2>(a, g, row, rows_end, out);
+        else pair_rows<1>(a, g, row, rows_end, out);
+      }
+    }
+  }
 }
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVSERVE_INT8_VNNI 1
@@ -975,12 +1072,7 @@ static torch::Tensor int8_layer(const torch::Tensor& x, const torch::Tensor& pac
     parallel_gemm(m, groups, gated, [&](int64_t begin, int64_t end) {
       quantize(rows, row_codes, row_scales, begin, end);
       for (int64_t i = begin * k; i < end * k; ++i) wide[i] = static_cast<int8_t>(row_codes[i]);
-    }, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; g += gated ? 2 : 1) {
-        if (gated) pair_rows<2>(args, g, result);
-        else pair_rows<1>(args, g, result);
-      }
-    });
+    }, [&](int64_t begin, int64_t end) { pair_gemm(args, begin, end, result); });
 #endif
   });
   return out;
