@@ -28,8 +28,8 @@ from kvserve.model.attention import (
 from kvserve.model.cpu_kernels import cpu_op
 from kvserve.model.rope import apply_rope
 
-# the prefill and cascade kernels are AVX-512 code (the other levels run gather + SDPA)
-prefill_levels = pytest.mark.isa_levels("avx512", "amx")
+# the prefill and cascade kernels: AVX-512 and AVX2 code (the portable level runs gather + SDPA)
+prefill_levels = pytest.mark.isa_levels("avx2", "avx512", "amx")
 
 
 def _write_index(slots: torch.Tensor, block_size: int, kv_heads: int) -> KVWriteIndex:

@@ -304,7 +304,7 @@ template <typename T, typename O>
 static bool prefill_into(O* out, int64_t out_stride, const torch::Tensor& q, const torch::Tensor& kv_cache,
                          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t query_len,
                          float scale, bool causal, float* lse_out) {
-#if defined(__AVX512F__)
+#if defined(KVSERVE_FLOAT_PREFILL)
   if constexpr (!std::is_same_v<T, double>) {
     auto tables = block_tables.contiguous();
     auto lens = seq_lens.contiguous();

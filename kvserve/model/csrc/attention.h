@@ -306,6 +306,31 @@ static inline void accumulate_rows(const float* weights, int64_t stride, int64_t
     }
 }
 
+// The float prefill kernels (prefill_kernel below): AVX-512, or AVX2 with FMA and F16C.
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_ROWS)
+#define KVSERVE_FLOAT_PREFILL 1
+
+// The longest causal length among RB query rows.
+template <int RB>
+static inline int64_t max_row_len(const int64_t* row_len) {
+  int64_t max_len = 0;
+  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  return max_len;
+}
+
+// Each of RB rows of scores (stride apart) softmaxed over its causal length (its log-sum-exp
+// into lse[r] when lse is given), zero from there to max_len: keys past a row's position get no
+// weight.
+template <int RB>
+static inline void softmax_score_rows(float* scores, int64_t stride, const int64_t* row_len, int64_t max_len,
+                                      float* lse) {
+  for (int r = 0; r < RB; ++r) {
+    float* row = scores + r * stride;
+    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r], lse != nullptr ? lse + r : nullptr);
+    std::fill(row + row_len[r], row + max_len, 0.f);
+  }
+}
+
 #if defined(__AVX512F__)
 // Prefill attention for RB query rows of one (sequence, KV head): scores against 16 keys at a
 // time from the transposed float32 keys (a broadcast query value times a row of 16 keys, so no
@@ -315,8 +340,7 @@ template <int NV, int RB>
 static void prefill_rows(const float* qf, const int64_t* row_len, const float* keys_t, int64_t stride,
                          const float* values, float* scores, float* acc, float* lse) {
   constexpr int64_t dim = NV * 16;
-  int64_t max_len = 0;
-  for (int r = 0; r < RB; ++r) max_len = std::max(max_len, row_len[r]);
+  const int64_t max_len = max_row_len<RB>(row_len);
   for (int64_t tile = 0; tile * 16 < max_len; ++tile) {
     __m512 s[RB];
     for (int r = 0; r < RB; ++r) s[r] = _mm512_setzero_ps();
@@ -327,11 +351,7 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
     }
     for (int r = 0; r < RB; ++r) _mm512_storeu_ps(scores + r * stride + tile * 16, s[r]);
   }
-  for (int r = 0; r < RB; ++r) {
-    float* row = scores + r * stride;
-    if (row_len[r] > 0) softmax_rows(row, 1, row_len[r], lse != nullptr ? lse + r : nullptr);
-    std::fill(row + row_len[r], row + max_len, 0.f);  // keys past a row's position get no weight
-  }
+  softmax_score_rows<RB>(scores, stride, row_len, max_len, lse);
   __m512 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) a[r][i] = _mm512_setzero_ps();
@@ -349,6 +369,48 @@ static void prefill_rows(const float* qf, const int64_t* row_len, const float* k
 
 // query rows per tile of the AVX-512 prefill kernels (head_dim 16 * nv): accumulators that fit the registers
 constexpr int register_rows(int nv) { return nv == 4 ? 4 : 2; }
+#else
+// out[r * out_stride + c] = sum over t < n of a[r * a_stride + t] * b[t * b_stride + c], for RB
+// rows and 16 columns c: the 2 x RB sums in registers, a broadcast value of a times two vectors of b.
+template <int RB>
+static inline void rows_by_16_columns(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t n,
+                                      float* out, int64_t out_stride) {
+  __m256 s[RB][2];
+  KVSERVE_UNROLL
+  for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 b0 = _mm256_loadu_ps(b + t * b_stride), b1 = _mm256_loadu_ps(b + t * b_stride + 8);
+    KVSERVE_UNROLL
+    for (int r = 0; r < RB; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * a_stride + t);
+      s[r][0] = _mm256_fmadd_ps(x, b0, s[r][0]);
+      s[r][1] = _mm256_fmadd_ps(x, b1, s[r][1]);
+    }
+  }
+  KVSERVE_UNROLL
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(out + r * out_stride, s[r][0]);
+    _mm256_storeu_ps(out + r * out_stride + 8, s[r][1]);
+  }
+}
+
+// prefill_rows in AVX2's 8-lane vectors: scores 16 keys at a time (query values times the
+// transposed keys), then the outputs 16 dims at a time over all the keys (probabilities times
+// values; each row's probabilities re-read from L1 per 16 dims), since RB rows x head_dim of sums
+// would not fit the 16 vector registers.
+template <int NV, int RB>
+static void prefill_rows(const float* qf, const int64_t* row_len, const float* keys_t, int64_t stride,
+                         const float* values, float* scores, float* acc, float* lse) {
+  constexpr int64_t dim = NV * 16;
+  const int64_t max_len = max_row_len<RB>(row_len);
+  for (int64_t tile = 0; tile * 16 < max_len; ++tile)
+    rows_by_16_columns<RB>(qf, dim, keys_t + tile * 16, stride, dim, scores + tile * 16, stride);
+  softmax_score_rows<RB>(scores, stride, row_len, max_len, lse);
+  for (int64_t c = 0; c < dim; c += 16) rows_by_16_columns<RB>(scores, stride, values + c, dim, max_len, acc + c, dim);
+}
+
+constexpr int register_rows(int) { return 4; }  // query rows per tile of the AVX2 prefill kernel
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr float kSoftmaxSlack = 12.f;  // log2 units: a flash kernel's unnormalized weights stay below 2^12
@@ -781,4 +843,4 @@ static bool run_prefill(const T* q, int64_t q_stride, const int64_t* lens, O* ou
   else return false;
   return true;
 }
-#endif
+#endif  // KVSERVE_FLOAT_PREFILL
