@@ -12,8 +12,9 @@ from kvserve.model.attention import (
 )
 from kvserve.model.cpu_kernels import cpu_op
 
-# the prefill and cascade kernels: AVX-512 and AVX2 code (the portable level runs gather + SDPA)
-prefill_levels = pytest.mark.isa_levels("avx2", "avx512", "amx")
+# prefill over quantized pools is AVX-512 code (the other levels run gather + SDPA; see
+# use_prefill_kernel)
+prefill_levels = pytest.mark.isa_levels("avx512", "amx")
 
 
 def _quantized_pool(kind: str, num_blocks: int, kv_heads: int, block_size: int, dim: int

@@ -71,7 +71,9 @@ class ModelRunner:
         # MLA's latent pool is read by paged_latent_attention with masks, never by the kernels
         self.latent = model.config.mla is not None
         self.decode_kernel = use_decode_kernel(device) and not self.latent
-        self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype) and not self.latent
+        pools_as_is = all(layer.holds_as_is(self.dtype) for layer in kv_cache.storage)
+        self.prefill_kernel = use_prefill_kernel(device.type, model.config.head_dim, self.dtype,
+                                                 pools_as_is) and not self.latent
         self.cascade = cascade and self.decode_kernel and self.prefill_kernel
         # sees every layer's new K (after rotary) and V before they are cached (calibration)
         self.kv_observer: Callable[[LayerKV, torch.Tensor, torch.Tensor], None] | None = None
