@@ -12,9 +12,8 @@ from kvserve.model.attention import (
 )
 from kvserve.model.cpu_kernels import cpu_op
 
-# prefill over quantized pools is AVX-512 code (the other levels run gather + SDPA; see
-# use_prefill_kernel)
-prefill_levels = pytest.mark.isa_levels("avx512", "amx")
+# the levels with a float prefill kernel (the portable level runs gather + SDPA; see use_prefill_kernel)
+prefill_levels = pytest.mark.isa_levels("avx2", "avx512", "amx")
 
 
 def _quantized_pool(kind: str, num_blocks: int, kv_heads: int, block_size: int, dim: int
@@ -129,12 +128,12 @@ def test_quantized_decode_of_long_sequences(kind: str, isa: str) -> None:
 @prefill_levels
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (10, 2, 128)])
-@pytest.mark.parametrize("kind", ["int8-static", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8-static", "int8", "int4", "fp8_e5m2-static", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_integer_prefill_kernel_is_attention_over_the_dequantized_pool(block_size: int, heads: int, kv_heads: int,
+def test_quantized_prefill_kernel_is_attention_over_the_dequantized_pool(block_size: int, heads: int, kv_heads: int,
                                                                        dim: int, kind: str, dtype: torch.dtype,
                                                                        tol: float, isa: str) -> None:
-    """Prefill chunks (5 queries per sequence after a cached prefix) over int8 and int4 pools:
+    """Prefill chunks (5 queries per sequence after a cached prefix) over int8, int4 and fp8 pools:
     float32 queries through the float32 tile path, bf16 queries through the bf16 dot-product path
     over the rows dequantized to bf16 (to within bf16's rounding of keys, values, weights and
     outputs: 3e-2 of values as large as 4.4 here)."""

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 from kvserve.cache.kv_layer import KVWriteIndex, LayerKV
 from kvserve.cache.kv_layer_quant import Int4KV, Int8BlockKV, Int8StaticKV, TailKV
 from kvserve.cache.kv_quant import FP8_TYPES, KIND_CODES
-from kvserve.model.cpu_kernels import active_isa, cpu_op
+from kvserve.model.cpu_kernels import cpu_op
 
 
 class Cascade(NamedTuple):
@@ -78,14 +78,15 @@ def use_decode_kernel(device: torch.device) -> bool:
 
 def use_prefill_kernel(device_type: str, head_dim: int, dtype: torch.dtype, pools_as_is: bool = True) -> bool:
     """Prefill groups use the C++ kernel on CPU where it has a vector path for this head size
-    and dtype (it says so by running: a one-token probe). Over pools not held in the model's
-    dtype (quantized, or 16-bit under a float32 model: ``pools_as_is`` False) only with AVX-512:
-    AVX2's float prefill kernel over an fp8_e5m2 pool matched float64 attention over the
-    dequantized pool, yet an engine run with it differed from the torch path by 0.03 in a
-    log-prob after a cached chunk, not yet explained."""
-    op = cpu_op("paged_prefill_attention")
-    return (device_type == "cpu" and op is not None and _prefill_kernel_runs(op, head_dim, dtype)
-            and (pools_as_is or active_isa() in ("avx512", "amx")))
+    and dtype, over pools held in the model's dtype (``pools_as_is``) or not (quantized, or
+    16-bit under a float32 model): the op for that pool says so by running a two-token probe."""
+    if device_type != "cpu":
+        return False
+    if pools_as_is:
+        op = cpu_op("paged_prefill_attention")
+        return op is not None and _prefill_kernel_runs(op, head_dim, dtype)
+    op = cpu_op("paged_attention_quantized")
+    return op is not None and _quantized_prefill_kernel_runs(op, head_dim, dtype)
 
 
 @functools.cache  # by the op itself: each ISA level's build answers for itself
@@ -94,6 +95,16 @@ def _prefill_kernel_runs(op: Callable[..., bool], head_dim: int, dtype: torch.dt
     pool = torch.zeros(2, 2, 1, head_dim, dtype=dtype)
     return bool(op(torch.empty_like(query), query, pool, torch.ones(1, 1, dtype=torch.long),
                    torch.ones(1, dtype=torch.long), 1, 1.0))
+
+
+@functools.cache
+def _quantized_prefill_kernel_runs(op: Callable[..., bool], head_dim: int, dtype: torch.dtype) -> bool:
+    """Two queries over a float16 pool of two one-token blocks, read as a coded pool (every kind
+    shares the op's prefill path: rows dequantized to float32, then the float kernel)."""
+    query = torch.zeros(2, 1, head_dim, dtype=dtype)
+    pool = torch.zeros(3, 2, 1, head_dim, dtype=torch.float16)
+    return bool(op(torch.empty_like(query), query, pool, KIND_CODES["fp16"], None, None, 1.0, None, None, None,
+                   torch.tensor([[1, 2]]), torch.tensor([2]), 2, 1.0))
 
 
 def _label(name: str) -> contextlib.AbstractContextManager[object]:

@@ -1339,7 +1339,7 @@ bool paged_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor
                                            kv_heads, dim, static_cast<float>(scale), fill_pairs);
       }
 #endif
-#if defined(__AVX512F__)  // AVX-512 only for now: see use_prefill_kernel (kvserve/model/attention.py)
+#if defined(KVSERVE_FLOAT_PREFILL)  // the float kernel over the rows dequantized to float32
       else {
         auto fill = [&](int64_t b, int64_t h, int64_t len, int64_t stride, float* kt, float* vs, bool) {
           thread_local std::vector<float> tile;
