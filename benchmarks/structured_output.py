@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import cpu_name
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.structured import GrammarCompiler, StructuredOutput
@@ -29,13 +33,6 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
     "required": ["name", "age", "tags"]}
 DOCUMENT = '{"name":"Ada Lovelace","age":36,"tags":["math","engines"]}'  # compact, as the grammar has it
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def mask_cost(llm: LLM) -> dict[str, float]:
