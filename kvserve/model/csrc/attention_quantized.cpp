@@ -899,9 +899,7 @@ static void round_queries_int16(const float* q, const float* scales, int64_t gro
     __m256 top = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8)
       top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), scaled(qg, d)));  // |x|
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    const float amax = max8(top);
     step[g] = amax > 0.f ? amax / 32767.f : 1.f;
     const __m256 inv = _mm256_set1_ps(1.f / step[g]);
     for (int64_t d = 0; d < dim; d += 16) {  // nearest, ties to even (the MXCSR default), as nearbyint

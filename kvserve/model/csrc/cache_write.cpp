@@ -80,8 +80,19 @@ static inline int8_t int8_code(float x, float scale) {
   return static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x / scale))));
 }
 
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define KVSERVE_INT8_WRITE8 1
+// 8 elements as float32 (AVX2): float32 as they are, 16-bit ones widened.
+template <typename T>
+static inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return widen8(p);
+}
+#endif
+
 // dst[d] = int8_code(x[d], scale[d]) for d < dim (scale: a per-channel row, or one value), and the
-// number of |x[d]| > 127.5 * scale[d] (counted where asked).
+// number of |x[d]| > 127.5 * scale[d] (counted where asked). The vector paths divide and round
+// (half to even) as int8_code does, so every level stores the same bytes.
 template <typename T>
 static inline int64_t int8_codes(const T* x, const float* scale, bool per_channel, int64_t dim, int8_t* dst,
                                  bool count) {
@@ -96,6 +107,21 @@ static inline int64_t int8_codes(const T* x, const float* scale, bool per_channe
       const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(top, _mm512_max_ps(bottom, q)))));
+    }
+  }
+#elif defined(KVSERVE_INT8_WRITE8)
+  if constexpr (!std::is_same_v<T, double>) {
+    const __m256 top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f), limit = _mm256_set1_ps(127.5f);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (; d + 8 <= dim; d += 8) {
+      const __m256 v = load8(x + d), s = per_channel ? _mm256_loadu_ps(scale + d) : _mm256_set1_ps(*scale);
+      if (count)
+        clipped += __builtin_popcount(_mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_andnot_ps(sign, v), _mm256_mul_ps(s, limit), _CMP_GT_OQ)));
+      const __m256 q = _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i codes = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(bottom, q)));
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(words, words));
     }
   }
 #endif
@@ -118,6 +144,12 @@ static inline float int8_token_codes(const T* v, int64_t dim, int8_t* dst) {
     __m512 tops = _mm512_setzero_ps();
     for (; d + 16 <= dim; d += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(load16(v + d)));
     top = _mm512_reduce_max_ps(tops);
+  }
+#elif defined(KVSERVE_INT8_WRITE8)
+  if constexpr (!std::is_same_v<T, double>) {
+    __m256 tops = _mm256_setzero_ps();
+    for (; d + 8 <= dim; d += 8) tops = _mm256_max_ps(tops, _mm256_andnot_ps(_mm256_set1_ps(-0.f), load8(v + d)));
+    top = max8(tops);
   }
 #endif
   for (; d < dim; ++d) top = std::max(top, std::fabs(static_cast<float>(v[d])));

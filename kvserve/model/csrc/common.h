@@ -271,6 +271,13 @@ struct Int4High {
 };
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
+// The largest of 8 lanes.
+static inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
 // 8 elements as float32 (CPUs without AVX-512): bf16 by a 16-bit shift, float16 by F16C.
 static inline __m256 widen8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
