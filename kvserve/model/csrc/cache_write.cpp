@@ -81,13 +81,7 @@ static inline int8_t int8_code(float x, float scale) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
-#define KVSERVE_INT8_WRITE8 1
-// 8 elements as float32 (AVX2): float32 as they are, 16-bit ones widened.
-template <typename T>
-static inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
-  else return widen8(p);
-}
+#define KVSERVE_INT8_WRITE8 1  // the 8-lane int8 write below (load8: common.h)
 #endif
 
 // dst[d] = int8_code(x[d], scale[d]) for d < dim (scale: a per-channel row, or one value), and the

@@ -299,6 +299,10 @@ static inline __m256 widen8(const Int4Low* p) {
 static inline __m256 widen8(const Int4High* p) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(widen8_bytes(p), 4)); }
 #if defined(__F16C__)
 static inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 lanes of a row as float32 (load16's counterpart): float32 as it is, bf16 and float16 widened.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) { return widen8(p); }
+static inline __m256 load8(const c10::Half* p) { return widen8(p); }
 // fp8 codes through float16 (a table lookup per code took 2.5x the int8 job's time on a Zen 3):
 // e5m2 is float16's top byte; e4m3's bits shifted into float16's fields give the value / 256,
 // subnormals included.
