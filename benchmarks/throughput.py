@@ -74,27 +74,34 @@ def run_hf(work: Workload, dtype: str, repeats: int) -> dict[str, Any]:
             "output_tokens": work.output_tokens}
 
 
-def load_model_path() -> Path:
+def load_model_path(model: str = "smollm2-135m") -> Path:
     from kvserve.model.loader import resolve_model_path
 
-    return resolve_model_path("smollm2-135m")
+    return resolve_model_path(model)
 
 
-def export_hf_folder(dest: Path) -> Path:
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def export_hf_folder(dest: Path, model: str = "smollm2-135m") -> Path:
     """vLLM reads HF folders: write the GGUF's dequantized float32 weights (HF names, Q/K
-    un-permuted by kvserve's loader) as safetensors, a Llama config.json and the tokenizer."""
+    un-permuted by kvserve's loader) as safetensors, a Llama or Qwen2 config.json and the
+    tokenizer."""
     if (dest / "config.json").exists():
         return dest
     from safetensors.torch import save_file
 
     from kvserve.model.loader import load_checkpoint, load_tokenizer
 
-    path = load_model_path()
+    path = load_model_path(model)
     cfg, weights = load_checkpoint(path)
+    if cfg.architecture not in _HF_ARCHITECTURES:
+        raise SystemExit(f"export_hf_folder writes llama and qwen2 configs, not {cfg.architecture}")
     dest.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(dest / "model.safetensors"))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [_HF_ARCHITECTURES[cfg.architecture]], "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
@@ -102,6 +109,8 @@ def export_hf_folder(dest: Path) -> Path:
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_ids[0], "torch_dtype": "float32", "hidden_act": "silu",
     }
+    if cfg.architecture == "qwen2":
+        config["use_sliding_window"] = False
     (dest / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer = load_tokenizer(path)
     assert tokenizer is not None

@@ -28,7 +28,7 @@ _UNITS = {
     "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_METHODS = ("int8",)  # weights (kvserve.model.int8_linear); vLLM's --quantization
+QUANTIZATION_METHODS = ("gguf", "int8", "none")  # the weights' format; vLLM's --quantization
 KV_KEY_SCALES = ("auto", "static", "block")
 
 
@@ -201,8 +201,10 @@ class ServedModelConfig:
     model: str = knob("smollm2-135m", "alias, .gguf file or HF folder (default: %(default)s)")
     dtype: str = knob("auto", "the model's dtype; auto: bfloat16 on CUDA, float32 on CPU", DTYPES)
     quantization: str | None = knob(
-        None, "int8: linear layers in int8 (weights per output channel, activations per token at run time, "
-        "exact int32 sums on every CPU level); default: the model dtype", QUANTIZATION_METHODS, short="-q")
+        None, "gguf: a GGUF file's quantized weights served in their own blocks (the default for a quantized GGUF "
+        "on CPU); int8: linear layers in int8 (weights per output channel, activations per token at run time, "
+        "exact int32 sums on every CPU level); none: every weight widened to --dtype (the default for other "
+        "checkpoints)", QUANTIZATION_METHODS, short="-q")
     device: str = knob("auto", "auto, cpu, cuda or cuda:N")
     max_model_len: int | None = knob(None, "longest sequence (prompt + output) a request may have; "
                                      "default: the model's context, lowered to what the KV cache holds", kind=int)
@@ -211,8 +213,8 @@ class ServedModelConfig:
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
-                              f"got {self.quantization!r}")
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset: by the "
+                              f"checkpoint), got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len is not None:

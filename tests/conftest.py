@@ -78,6 +78,13 @@ def gemma() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def smollm_float() -> LoadedModel:
+    """The default model widened to float32 (--quantization none): where a test holds two paths
+    to float32 rounding, which the GGUF path's int16 activations would blur."""
+    return load_model("smollm2-135m", torch.device("cpu"), torch.float32, "none")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm(smollm: LoadedModel) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -168,25 +175,6 @@ def first_divergence_is_near_tie(ours: list[int], ref: list[int], ref_logprobs: 
     if len(ours) != len(ref):
         return False, f"lengths differ: ours {len(ours)}, reference {len(ref)}"
     return True, "identical"
-
-
-def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Reference greedy continuation of one prompt (no padding, EOS ignored) with HF's own
-    KV cache, and the log-probabilities at every step."""
-    tokens: list[int] = []
-    logprobs: list[torch.Tensor] = []
-    past = None
-    inputs = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            out = model(input_ids=inputs, cache=past, use_cache=True)
-            past = out.past_key_values
-            step = out.logits[0, -1].float().log_softmax(-1)
-            token = int(step.argmax())
-            tokens.append(token)
-            logprobs.append(step)
-            inputs = torch.tensor([[token]])
-    return tokens, logprobs
 
 
 # ---------------------------------------------------------------- a live server (module-scoped)

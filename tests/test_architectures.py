@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from kvserve import LLM, SamplingParams
 from kvserve.model.llama import LlamaForCausalLM, pack_linears_for_cpu
 from kvserve.model.loader import load_checkpoint, unpermute_rotary
-from tests.conftest import first_divergence_is_near_tie, hf_greedy
+from kvserve.quant.reference import reference_greedy
+from tests.conftest import first_divergence_is_near_tie
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate([1, 5, 17, 40, 90, 130])]
 
@@ -38,7 +39,7 @@ def test_matches_transformers(tiny_model_factory: Callable[..., Path], arch: str
     path = tiny_model_factory(arch, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     max_tokens = 12
-    refs = [hf_greedy(hf, p, max_tokens) for p in PROMPTS]
+    refs = [reference_greedy(hf, p, max_tokens) for p in PROMPTS]
     for block_size, budget in [(1, 2048), (16, 48), (64, 4096)]:
         llm = _run(path, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=4)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -50,7 +51,7 @@ def test_matches_transformers(tiny_model_factory: Callable[..., Path], arch: str
 def test_tiny_pool_forces_preemption_and_stays_exact(tiny_model_factory: Callable[..., Path]) -> None:
     path = tiny_model_factory("llama")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    refs = [hf_greedy(hf, p, 30) for p in PROMPTS]
+    refs = [reference_greedy(hf, p, 30) for p in PROMPTS]
     per_token = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32
     llm = LLM(str(path), block_size=4, kv_cache_memory=(160 // 4 + 1) * 4 * per_token, max_model_len=160)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
@@ -87,7 +88,7 @@ def test_bfloat16_engine_tracks_transformers(tiny_model_factory: Callable[..., P
     (transformers' own bf16 run of these models diverges at top-2 gaps of ~0.1)."""
     path = tiny_model_factory(arch)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    refs = [hf_greedy(hf, p, 6) for p in PROMPTS]
+    refs = [reference_greedy(hf, p, 6) for p in PROMPTS]
     llm = _run(path, dtype="bfloat16", max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for out, (ref, ref_lp) in zip(outs, refs, strict=True):

@@ -9,7 +9,8 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.engine.loading import LoadedModel
 from kvserve.engine.request import Request
-from tests.conftest import first_divergence_is_near_tie, hf_greedy
+from kvserve.quant.reference import reference_greedy
+from tests.conftest import first_divergence_is_near_tie
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
@@ -40,7 +41,7 @@ def _long_prompt(tokenizer: Any) -> list[int]:
 def workload(smollm: LoadedModel, hf_smollm: Any) -> tuple[list[list[int]], list[tuple[list[int], list[Any]]]]:
     prompts = [list(smollm.tokenizer.encode(t)) for t in TEXTS] + [_long_prompt(smollm.tokenizer)]
     assert len(prompts) >= 8 and len({len(p) for p in prompts}) == len(prompts)
-    return prompts, [hf_greedy(hf_smollm, p, MAX_TOKENS) for p in prompts]
+    return prompts, [reference_greedy(hf_smollm, p, MAX_TOKENS) for p in prompts]
 
 
 def _check(llm: LLM, workload: Any) -> None:

@@ -19,7 +19,7 @@ from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, group_layers
 from kvserve.engine.loading import LoadedModel
 from kvserve.plan.planner import plan
 from kvserve.plan.spec import ModelSpec
-from tests.conftest import hf_greedy
+from kvserve.quant.reference import reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -77,7 +77,7 @@ def tiny_gemma(tiny_model_factory: Callable[..., Path]) -> tuple[Path, list[list
     prompts = [shared + [rng.randrange(3, 256) for _ in range(16)], [rng.randrange(3, 256) for _ in range(33)],
                shared + [rng.randrange(3, 256) for _ in range(33)]]
     hf = hf_model(path)
-    return path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
+    return path, prompts, [reference_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -151,7 +151,7 @@ def test_gemma3_long_prompts_match_transformers(gemma: LoadedModel) -> None:
     (fp32, same GGUF), while the sliding layers really dropped their early blocks."""
     prompts = long_prompts(gemma.tokenizer)
     hf = hf_model(gemma.path)
-    want = [hf_greedy(hf, p, 8)[0] for p in prompts]
+    want = [reference_greedy(hf, p, 8)[0] for p in prompts]
     del hf
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     pool_block = 3 * 2 * 16 * 256 * 4

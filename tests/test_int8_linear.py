@@ -401,7 +401,7 @@ def test_the_slow_int8_fallback_is_announced(monkeypatch: pytest.MonkeyPatch, ca
 
 
 def test_bad_quantization_is_named() -> None:
-    with pytest.raises(ConfigError, match=r"quantization must be one of int8 .* got 'fp4'"):
+    with pytest.raises(ConfigError, match=r"quantization must be one of gguf, int8, none .* got 'fp4'"):
         EngineConfig.from_settings(quantization="fp4")
 
 
@@ -410,7 +410,7 @@ def smollm_int8() -> LoadedModel:
     return load_model("smollm2-135m", torch.device("cpu"), torch.bfloat16, "int8")
 
 
-def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedModel) -> None:
+def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm_float: LoadedModel) -> None:
     """Every linear layer is int8, the LM head too (its own copy of the tied matrix) and the
     embedding (int8 rows); the residual stream is rotated and each down projection's input turned
     at run time; with the VNNI kernel every layer's norms run inside its QKV and gate/up GEMMs and
@@ -424,8 +424,8 @@ def test_real_model_answers_in_int8(smollm_int8: LoadedModel, smollm: LoadedMode
     assert isinstance(model.embed_tokens, Int8Embedding)
     kernel = _kernel_available()
     assert all(layer.norms_in_projections == kernel and layer.gate_up_proj.gated == kernel for layer in model.layers)
-    bf16_bytes = smollm.weight_bytes // 2  # the fixture is float32
-    embedding = smollm.model.embed_tokens.weight.numel() * 2  # tied: its bf16 bytes, once
+    bf16_bytes = smollm_float.weight_bytes // 2  # the fixture is float32
+    embedding = smollm_float.model.embed_tokens.weight.numel() * 2  # tied: its bf16 bytes, once
     # every weight in one byte (plus scales), the tied embedding twice: itself and the head
     assert smollm_int8.weight_bytes < (bf16_bytes + embedding) / 2 * 1.02
     llm = LLM(loaded=smollm_int8, quantization="int8", kv_cache_memory="64MiB")

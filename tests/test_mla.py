@@ -17,7 +17,7 @@ from kvserve.config import ConfigError
 from kvserve.model.deepseek import MLAAttention
 from kvserve.plan.planner import plan
 from kvserve.plan.spec import ModelSpec
-from tests.conftest import hf_greedy
+from kvserve.quant.reference import reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 CHECKPOINTS = [("deepseek_v2", 24), ("deepseek_v2", None), ("deepseek_v3", None), ("deepseek_v3", 24)]
@@ -36,7 +36,7 @@ def references(tiny_model_factory: Callable[..., Path]) -> dict[tuple[str, int |
     for arch, q_lora in CHECKPOINTS:
         path = tiny_model_factory(arch, q_lora_rank=q_lora)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        out[arch, q_lora] = (path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts])
+        out[arch, q_lora] = (path, prompts, [reference_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts])
     return out
 
 
@@ -108,6 +108,6 @@ def test_yarn_rope_matches_transformers(tiny_model_factory: Callable[..., Path],
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (140, 200)]
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    want = [hf_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
+    want = [reference_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want

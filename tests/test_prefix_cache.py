@@ -17,7 +17,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec
 from kvserve.engine.loading import LoadedModel
-from tests.conftest import first_divergence_is_near_tie, hf_greedy
+from kvserve.quant.reference import reference_greedy
+from tests.conftest import first_divergence_is_near_tie
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -66,7 +67,7 @@ def test_caching_on_equals_off_and_transformers(block_size: int, tiny_model_fact
     assert results[True] == results[False]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for prompt, ours in zip(prompts, results[True], strict=True):
-        ref, ref_logprobs = hf_greedy(hf, prompt, GREEDY.max_tokens)
+        ref, ref_logprobs = reference_greedy(hf, prompt, GREEDY.max_tokens)
         ok, why = first_divergence_is_near_tie(ours, ref, ref_logprobs)
         assert ok, why
 
@@ -82,7 +83,7 @@ def test_real_model_shared_system_prompt_matches_transformers(smollm: LoadedMode
     shared = len(smollm.tokenizer.encode(system))
     assert sum(o.num_cached_tokens for o in outs) >= (len(prompts) - 1) * (shared // 16 - 1) * 16
     for prompt, out in zip(prompts, outs, strict=True):
-        ref, ref_logprobs = hf_greedy(hf_smollm, prompt, 12)
+        ref, ref_logprobs = reference_greedy(hf_smollm, prompt, 12)
         ok, why = first_divergence_is_near_tie(out.token_ids, ref, ref_logprobs)
         assert ok, why
 

@@ -93,12 +93,13 @@ def test_drift_watch_counts_clipped_keys_and_warns_once(scales_file: Path, smoll
     assert sum("KV scales drift" in r.message for r in caplog.records) == 1
 
 
-def test_eval_chunk_1_scores_each_token_in_a_decode_step(smollm: LoadedModel,
+def test_eval_chunk_1_scores_each_token_in_a_decode_step(smollm_float: LoadedModel,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """--chunk 1 runs every token as a decode step (the decode kernels): over the fp32 pool it
     scores what one prefill chunk scores, to float32 rounding; over int4 every token reads all the
     earlier ones quantized, where one prefill chunk reads its own tokens' K/V at full precision,
     so the two differ. --chunk 0 is refused, naming the value."""
+    smollm = smollm_float  # float32 weights: the two paths agree to float32 rounding
     assert smollm.tokenizer is not None
     tokens = list(smollm.tokenizer.encode(" ".join(stdlib_docstrings()[:4])))[:41]
     decode, prefill = (evaluate(smollm, "smollm2-135m", tokens, parse_variants("auto,int4"), context=41, chunk=chunk,

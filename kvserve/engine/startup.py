@@ -70,6 +70,8 @@ class EngineStartup:
             raise ConfigError(f"quantization={served.quantization!r}, but the model given was loaded with "
                               f"quantization={loaded.quantization!r}")
         self.loaded = loaded
+        logger.info("model %s: weights %s, %s", loaded.path.name, format_bytes(loaded.weight_bytes),
+                    loaded.weight_format)
         self.model_config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
         self.weight_bytes, self.fingerprint = loaded.weight_bytes, loaded.fingerprint
         model_config = self.model_config

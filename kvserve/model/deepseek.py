@@ -191,7 +191,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return [DeepseekDecoderLayer(config, config.mla, i < dense) for i in range(config.num_layers)]
 
     def load_layer_weights(self, reader: WeightReader, p: str, layer: DeepseekDecoderLayer) -> None:  # type: ignore[override]
-        take, put = reader.take, reader.put
+        take, put = reader.take_tensor, reader.put
         attn, mla = layer.self_attn, self.config.mla
         assert mla is not None
         reader.put_norm(layer.input_layernorm, p + "input_layernorm.weight")
@@ -231,7 +231,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                                           for i in experts]))
             put(mlp.down, torch.stack([take(f"{e}{i}.down_proj.weight") for i in experts]))
             if mlp.shared is not None:
-                reader.put_gated_mlp(p + "mlp.shared_experts.", mlp.shared.gate_up_proj, mlp.shared.down_proj)
+                reader.put_gated_mlp(p + "mlp.shared_experts.", mlp.shared)
         else:
             assert isinstance(mlp, GatedMLP)
-            reader.put_gated_mlp(p + "mlp.", mlp.gate_up_proj, mlp.down_proj)
+            reader.put_gated_mlp(p + "mlp.", mlp)

@@ -35,6 +35,7 @@ class GGUFTensor(NamedTuple):
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # row-major (outermost first), the reverse of GGUF's ne[] order
     data: np.ndarray  # the raw bytes (uint8), a view of the file's map
+    offset: int = 0  # where they start in the file
 
 
 class GGUFFile:
@@ -72,7 +73,17 @@ class GGUFFile:
             block, block_bytes = GGML_QUANT_SIZES[tensor_type]
             begin = start + offset
             self.tensors.append(GGUFTensor(name, tensor_type, tuple(reversed(dims)),
-                                           whole[begin:begin + elements // block * block_bytes]))
+                                           whole[begin:begin + elements // block * block_bytes], begin))
+
+    def drop_pages(self, tensor: GGUFTensor) -> None:
+        """Hand a tensor's pages of the map back to the kernel once it has been read (a repacked
+        weight): resident memory during a load then holds the packed copies, not the file too.
+        Pages it shares with a neighbour stay; reading the tensor again maps them anew."""
+        page = mmap.PAGESIZE
+        first = -(-tensor.offset // page) * page
+        last = (tensor.offset + tensor.data.nbytes) // page * page
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _scalar(self, fmt: str) -> Any:
         value = struct.unpack_from("<" + fmt, self._buffer, self._offset)[0]
@@ -127,3 +138,58 @@ def _dequantize_blocks(blocks: torch.Tensor, tensor_type: GGMLQuantizationType) 
     if tensor_type == Q4_0:
         return (nibbles - 8.0) * scale
     return nibbles * scale + blocks[:, 2:4].contiguous().view(torch.float16).float()  # numpy's rounding order
+
+
+# the block formats GGUF weights are served in (kvserve.model.gguf_linear)
+Q = GGMLQuantizationType
+PACKED_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+
+
+class GGUFWeight(NamedTuple):
+    """A quantized 2-D GGUF tensor as the file holds it: ``raw`` uint8 [rows, bytes per row] (a
+    view of the file's map until rows are permuted), ``shape`` (rows, in_features); ``source``
+    the file and tensor it was read from, whose pages are dropped once it is packed."""
+
+    raw: torch.Tensor
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, int]
+    source: tuple[GGUFFile, GGUFTensor] | None = None
+
+    @staticmethod
+    def of(reader: GGUFFile, tensor: GGUFTensor) -> GGUFWeight:
+        rows, cols = tensor.shape
+        return GGUFWeight(torch.from_numpy(tensor.data).view(rows, -1), tensor.tensor_type, (rows, cols),
+                          (reader, tensor))
+
+    def rows_permuted(self, order: torch.Tensor) -> GGUFWeight:
+        """The same weight with its rows (output channels) in ``order``."""
+        return self._replace(raw=self.raw[order].contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, in_features] (the widening path and small lookups)."""
+        return dequantize(GGUFTensor("", self.tensor_type, self.shape, self.raw.contiguous().numpy().reshape(-1)))
+
+
+# per tile of 16 rows: (inputs a group, bytes a group) as csrc/gguf_linear.cpp packs them
+PACKED_GROUP_BYTES = {Q.Q4_0: (32, 288), Q.Q4_1: (32, 320), Q.Q5_0: (32, 352), Q.Q5_1: (32, 384),
+                      Q.Q8_0: (32, 544), Q.Q4_K: (32, 320), Q.Q5_K: (32, 384), Q.Q6_K: (16, 224)}
+
+
+def served_bytes(tensor: GGUFTensor, float_bytes: int) -> int:
+    """A tensor's bytes as kvserve serves it: packed (keeps_quantized), else in a float dtype of
+    ``float_bytes`` a value."""
+    if not keeps_quantized(tensor):
+        return int(np.prod(tensor.shape)) * float_bytes
+    rows, cols = tensor.shape
+    group, group_bytes = PACKED_GROUP_BYTES[tensor.tensor_type]
+    return -(-rows // 16) * (cols // group) * group_bytes
+
+
+def keeps_quantized(tensor: GGUFTensor) -> bool:
+    """Whether a GGUF tensor is served in its blocks: a 2-D weight in a packed block format."""
+    return len(tensor.shape) == 2 and tensor.tensor_type in PACKED_TYPES and tensor.shape[1] % 32 == 0
+
+
+def rows_as_float(weight: torch.Tensor | GGUFWeight) -> torch.Tensor:
+    """A checkpoint weight as float32, whichever form the loader gave it in."""
+    return weight.dequantize() if isinstance(weight, GGUFWeight) else weight

@@ -21,6 +21,7 @@ from torch import nn
 from kvserve.cache.kv_layer import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
 from kvserve.model.cpu_kernels import cpu_op
+from kvserve.model.gguf_file import GGUFWeight, rows_as_float
 from kvserve.model.loader import ModelConfig, ModelLoadError
 from kvserve.model.rope import RotaryTables, apply_rope, rope_attention_factor, rope_inv_freq, rope_tables
 
@@ -348,17 +349,19 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named float32 weights in (each layer by load_layer_weights); every weight
-        must be used."""
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        """Copy HF-named float32 weights in (each layer by load_layer_weights; a GGUFWeight's layer
+        becomes a packed one instead); every weight must be used."""
         reader = WeightReader(weights, self.config.norm_offset)
-        reader.put(self.embed_tokens.weight, reader.take("model.embed_tokens.weight"))
+        reader.put_embedding(self, "embed_tokens", reader.take("model.embed_tokens.weight"))
         reader.put_norm(self.norm, "model.norm.weight")
         lm_head = reader.weights.pop("lm_head.weight", None)
-        if lm_head is None:  # tied embeddings share one tensor
+        if lm_head is not None:
+            reader.put_linear(self, "lm_head", [lm_head])
+        elif isinstance(self.embed_tokens, nn.Embedding):  # tied embeddings share one tensor
             self.lm_head.weight = self.embed_tokens.weight
         else:
-            reader.put(self.lm_head.weight, lm_head)
+            self.lm_head = reader.tied_head(self.embed_tokens)
         for i, layer in enumerate(self.decoder_layers):
             self.load_layer_weights(reader, f"model.layers.{i}.", layer)
         leftovers = [k for k in reader.weights if "rotary_emb" not in k]
@@ -367,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_layer_weights(self, reader: WeightReader, p: str, layer: DecoderLayer) -> None:
         """One layer's weights (names prefixed ``p``), fusing q/k/v and gate/up."""
-        take, put, put_norm = reader.take, reader.put, reader.put_norm
+        take, put_norm = reader.take, reader.put_norm
         put_norm(layer.input_layernorm, p + "input_layernorm.weight")
         if layer.attn_out_norm is not None and layer.ffn_out_norm is not None:  # Gemma's four norms
             put_norm(layer.attn_out_norm, p + "post_attention_layernorm.weight")
@@ -375,28 +378,35 @@ class LlamaForCausalLM(nn.Module):
             put_norm(layer.ffn_out_norm, p + "post_feedforward_layernorm.weight")
         else:
             put_norm(layer.ffn_norm, p + "post_attention_layernorm.weight")
-        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        put(layer.qkv_proj.weight, torch.cat(qkv))
+        qkv_bias = None
         if layer.qkv_proj.bias is not None:
-            put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-        put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+            qkv_bias = torch.cat([reader.take_tensor(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        reader.put_linear(layer, "qkv_proj", [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], qkv_bias)
+        reader.put_linear(layer, "o_proj", [take(p + "self_attn.o_proj.weight")])
         if layer.q_norm is not None and layer.k_norm is not None:
             put_norm(layer.q_norm, p + "self_attn.q_norm.weight")
             put_norm(layer.k_norm, p + "self_attn.k_norm.weight")
-        reader.put_gated_mlp(p + "mlp.", layer.gate_up_proj, layer.down_proj)
+        reader.put_gated_mlp(p + "mlp.", layer)
 
 
 class WeightReader:
-    """Hands out a checkpoint's HF-named weights once each; what is left over was not used."""
+    """Hands out a checkpoint's HF-named weights once each; what is left over was not used. A GGUF
+    loaded with its blocks kept (loader.load_checkpoint_blocks) gives its quantized weights as
+    GGUFWeight: the linear layers and the embedding they fill are swapped for packed ones
+    (kvserve.model.gguf_linear) instead of being copied into."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], norm_offset: bool = False) -> None:
+    def __init__(self, weights: dict[str, Any], norm_offset: bool = False) -> None:
         self.weights = dict(weights)
         self.norm_offset = norm_offset  # Gemma: norm weights w are applied as (1 + w)
 
-    def take(self, name: str) -> torch.Tensor:
+    def take(self, name: str) -> torch.Tensor | GGUFWeight:
         if name not in self.weights:
             raise ModelLoadError(f"checkpoint is missing weight {name!r}")
         return self.weights.pop(name)
+
+    def take_tensor(self, name: str) -> torch.Tensor:
+        """A weight in float (a norm, a bias: never kept in blocks)."""
+        return rows_as_float(self.take(name))
 
     def put(self, param: Any, tensor: torch.Tensor) -> None:
         if param.shape != tensor.shape:
@@ -404,10 +414,49 @@ class WeightReader:
         param.copy_(tensor)
 
     def put_norm(self, param: Any, name: str) -> None:
-        tensor = self.take(name)
+        tensor = self.take_tensor(name)
         self.put(param, tensor + 1.0 if self.norm_offset else tensor)
 
-    def put_gated_mlp(self, p: str, gate_up: nn.Linear, down: nn.Linear) -> None:
-        """A gated MLP's gate_proj and up_proj fused into ``gate_up``, and its down_proj."""
-        self.put(gate_up.weight, torch.cat((self.take(p + "gate_proj.weight"), self.take(p + "up_proj.weight"))))
-        self.put(down.weight, self.take(p + "down_proj.weight"))
+    def put_linear(self, owner: nn.Module, name: str, parts: list[torch.Tensor | GGUFWeight],
+                   bias: torch.Tensor | None = None) -> None:
+        """owner.<name>, an nn.Linear, from its weight's parts stacked by rows (a fused QKV or
+        gate/up projection has several): a GGUFLinear on the packed blocks where every part is a
+        GGUFWeight, else the parts in float copied in."""
+        linear = getattr(owner, name)
+        if all(isinstance(part, GGUFWeight) for part in parts):
+            shapes = [part.shape for part in parts]
+            if sum(rows for rows, _ in shapes) != linear.out_features or any(
+                    cols != linear.in_features for _, cols in shapes):
+                raise ModelLoadError(f"weight shapes {shapes} do not make {tuple(linear.weight.shape)}")
+            from kvserve.model.gguf_linear import GGUFLinear, PackedWeight  # it imports this module
+
+            setattr(owner, name, GGUFLinear([PackedWeight.of(cast(GGUFWeight, part)) for part in parts], bias))
+            return
+        floats = [rows_as_float(part) for part in parts]
+        self.put(linear.weight, floats[0] if len(floats) == 1 else torch.cat(floats))
+        if bias is not None:
+            self.put(linear.bias, bias)
+
+    def put_embedding(self, owner: nn.Module, name: str, weight: torch.Tensor | GGUFWeight) -> None:
+        """owner.<name>, an nn.Embedding: a GGUFEmbedding on the packed blocks of a GGUFWeight."""
+        embedding = getattr(owner, name)
+        if not isinstance(weight, GGUFWeight):
+            self.put(embedding.weight, weight)
+            return
+        if weight.shape != tuple(embedding.weight.shape):
+            raise ModelLoadError(f"weight shape {weight.shape} does not match {tuple(embedding.weight.shape)}")
+        from kvserve.model.gguf_linear import GGUFEmbedding, PackedWeight
+
+        setattr(owner, name, GGUFEmbedding(PackedWeight.of(weight)))
+
+    @staticmethod
+    def tied_head(embedding: nn.Module) -> nn.Module:
+        """An LM head tied to a GGUFEmbedding: a GGUFLinear on the same packed weight."""
+        from kvserve.model.gguf_linear import GGUFLinear
+
+        return GGUFLinear([cast(Any, embedding).part])
+
+    def put_gated_mlp(self, p: str, mlp: nn.Module) -> None:
+        """A gated MLP's gate_proj and up_proj fused into ``mlp.gate_up_proj``, and its down_proj."""
+        self.put_linear(mlp, "gate_up_proj", [self.take(p + "gate_proj.weight"), self.take(p + "up_proj.weight")])
+        self.put_linear(mlp, "down_proj", [self.take(p + "down_proj.weight")])

@@ -14,11 +14,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from kvserve.model.gguf_file import GGUFFile, dequantize
+from kvserve.model.chunked import CHUNKED_MODELS, assemble
+from kvserve.model.gguf_file import GGUFFile, GGUFWeight, dequantize, keeps_quantized
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {
@@ -43,6 +44,11 @@ GEMMA_CHAT_TEMPLATE = (
     "+ ns.system + m['content'] | trim + '<end_of_turn>\n' }}{% set ns.system = '' %}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+
+
+def known_aliases() -> list[str]:
+    """Every model name resolve_model_path knows besides paths."""
+    return [*_ALIASES, *_ASSEMBLED, *CHUNKED_MODELS]
 
 
 class ModelLoadError(ValueError):
@@ -132,6 +138,11 @@ def _gemma3_extras(num_layers: int, window: int, layer_types: list[str] | None) 
 
 def resolve_model_path(model: str) -> Path:
     """An alias (``smollm2-135m``), a .gguf file, or a folder with config.json."""
+    if model.lower() in CHUNKED_MODELS:
+        try:
+            return assemble(CHUNKED_MODELS[model.lower()])
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
     if model.lower() in _ASSEMBLED:
         package, requirement = _ASSEMBLED[model.lower()]
         if importlib.util.find_spec(package) is None:
@@ -150,7 +161,7 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {model!r} is neither a known alias ({', '.join([*_ALIASES, *_ASSEMBLED])}) nor an existing path"
+            f"model {model!r} is neither a known alias ({', '.join(known_aliases())}) nor an existing path"
         )
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -335,8 +346,11 @@ def _gguf_config(reader: GGUFFile) -> ModelConfig:
     )
 
 
-def _gguf_weights(reader: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
+def _gguf_weights(reader: GGUFFile, config: ModelConfig,
+                  keep_quantized: bool) -> dict[str, torch.Tensor | GGUFWeight]:
+    """HF-named weights: float32, or with ``keep_quantized`` each 2-D weight in a packed block
+    format as its raw blocks (GGUFWeight, rows permuted where float rows would be)."""
+    weights: dict[str, torch.Tensor | GGUFWeight] = {}
     layer_names = _GGUF_GEMMA_NAMES if config.is_gemma else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
         name = tensor.name
@@ -349,13 +363,21 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig) -> dict[str, torch.Tens
             hf_name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
         else:
             continue
-        data = dequantize(tensor)
         # llama.cpp permutes Q/K rows for its rotary layout, only for llama-arch models.
+        heads = None
         if config.architecture in ("llama", "mistral"):
             if ".self_attn.q_proj." in hf_name:
-                data = unpermute_rotary(data, config.num_heads)
+                heads = config.num_heads
             elif ".self_attn.k_proj." in hf_name:
-                data = unpermute_rotary(data, config.num_kv_heads)
+                heads = config.num_kv_heads
+        if keep_quantized and keeps_quantized(tensor):
+            raw = GGUFWeight.of(reader, tensor)
+            weights[hf_name] = raw if heads is None else raw.rows_permuted(
+                unpermute_rotary(torch.arange(tensor.shape[0]), heads))
+            continue
+        data = dequantize(tensor)
+        if heads is not None:
+            data = unpermute_rotary(data, heads)
         if config.norm_offset and hf_name.endswith("norm.weight"):
             data = data - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
         weights[hf_name] = data.contiguous()
@@ -373,10 +395,18 @@ def load_model_config(path: Path) -> ModelConfig:
 
 def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 weights (HF names) from a .gguf file or an HF folder."""
+    config, weights = load_checkpoint_blocks(path, keep_quantized=False)
+    return config, cast(dict[str, torch.Tensor], weights)
+
+
+def load_checkpoint_blocks(path: Path, keep_quantized: bool = True) -> tuple[ModelConfig,
+                                                                            dict[str, torch.Tensor | GGUFWeight]]:
+    """As load_checkpoint, but with ``keep_quantized`` a GGUF's quantized 2-D weights come as
+    their raw blocks (GGUFWeight), the rest in float32."""
     if path.suffix == ".gguf":
         reader = GGUFFile(path)
         config = _gguf_config(reader)
-        return config, _gguf_weights(reader, config)
+        return config, _gguf_weights(reader, config, keep_quantized)
     config = _hf_config(path)
     return config, {k: v.float() for k, v in _hf_weights(path).items()}
 

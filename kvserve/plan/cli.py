@@ -41,7 +41,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--kv-key-scales", default="static", choices=KEY_SCALE_MODES,
                       help="int8 key scales: one calibrated table, or one per block (+ a full-precision tail "
                            "block per sequence); int4's are always per block")
-    work.add_argument("--dtype", default=None, help=f"weight dtype: {', '.join(WEIGHT_BYTES)} (default: the model's)")
+    work.add_argument("--dtype", default=None,
+                      help=f"weight dtype: {', '.join(WEIGHT_BYTES)} (default: the model's); a GGUF file's "
+                      "weights stay in their blocks (gguf) under a float dtype, which is then the KV's")
     work.add_argument("--block-size", type=int, default=16)
     work.add_argument("--kv-offload-memory", default=None, help="tier 1 in host memory, e.g. 8GiB: how many more "
                       "sessions' prefixes it holds beyond the pool")

@@ -20,6 +20,7 @@ from kvserve.engine.activations import estimate_activation_bytes
 from kvserve.plan.spec import ModelSpec, SpecError
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+GGUF_WEIGHTS = "gguf"  # a GGUF file's weights as served: its blocks (ModelSpec.served_weight_bytes)
 WHAT_IF_DTYPES = ("fp8_e4m3", "int8", "int4")  # after the chosen dtype and a 16-bit one
 CONTEXT_DISTRIBUTIONS = ("fixed", "uniform")
 _MAX_CONTEXT_SEARCH = 1 << 40
@@ -180,16 +181,21 @@ def plan(spec: ModelSpec, *, concurrency: int = 1, context: int = 4096, device_m
     if activation_memory is not None and activation_memory < 0:
         raise SpecError(f"activation_memory must not be negative, got {activation_memory!r}")
     weight_name = (weight_dtype or spec.dtype).lower()
-    if weight_name not in WEIGHT_BYTES:
-        raise SpecError(f"unknown weight dtype {weight_dtype!r} (choose from {', '.join(WEIGHT_BYTES)})")
+    # a GGUF's weights stay in their blocks under a float model dtype (or "gguf"): as served
+    served = bool(spec.served_weight_bytes) and weight_name in (GGUF_WEIGHTS, "fp32", "fp16", "bf16")
+    if weight_name not in WEIGHT_BYTES and not served:
+        raise SpecError(f"unknown weight dtype {weight_dtype!r} (choose from {', '.join(WEIGHT_BYTES)}"
+                        f"{', gguf' if spec.served_weight_bytes else ''})")
     if weight_name in ("fp32", "fp16", "bf16"):
         spec = spec.with_dtype(weight_name)  # a float weight dtype is the model dtype: KV auto follows it
+    if served:
+        weight_name = GGUF_WEIGHTS
     try:
         kv_name = normalize_kv_dtype(kv_dtype, spec.dtype)
     except ValueError as exc:
         raise SpecError(str(exc)) from exc
 
-    weights = int(spec.params * WEIGHT_BYTES[weight_name])
+    weights = spec.served_weight_bytes if served else int(spec.params * WEIGHT_BYTES[weight_name])
     if activation_memory is not None:
         activations, activation_source = activation_memory, "given"
     else:

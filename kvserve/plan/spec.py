@@ -35,6 +35,7 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     sliding_window: int = 0  # 0: none; else the window of the sliding layers
     num_sliding_layers: int = 0
+    served_weight_bytes: int = 0  # a GGUF's weights as served (packed blocks + float32 rest); 0: by dtype
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "params"):
@@ -142,7 +143,18 @@ class ModelSpec:
         if any(config.layer_windows):
             cfg["sliding_window"] = max(config.layer_windows)
             cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in config.layer_windows]
-        return cls.from_hf_config(cfg, name=model)
+        spec = cls.from_hf_config(cfg, name=model)
+        if resolved.suffix == ".gguf":  # served in its blocks: the planner counts those bytes
+            spec = replace(spec, served_weight_bytes=gguf_served_bytes(resolved))
+        return spec
+
+
+def gguf_served_bytes(path: Path) -> int:
+    """The bytes of a GGUF file's weights as kvserve serves them on CPU (the default: quantized
+    weights in their blocks, the rest in float32), without loading them."""
+    from kvserve.model.gguf_file import GGUFFile, served_bytes
+
+    return sum(served_bytes(tensor, 4) for tensor in GGUFFile(path).tensors)
 
 
 def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int, int]:

@@ -34,6 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", &set_amx,
         "use (or not) the AMX tile kernels for bf16 prefill where the CPU has them; returns whether they are used "
         "now: (enabled)");
+  m.def("gguf_pack", &gguf_pack,
+        "a GGUF tensor's blocks (rows of raw bytes) repacked for gguf_linear: (raw, ggml_type, in_features) -> "
+        "(packed uint8 [tiles of 16 rows, bytes], kind)");
+  m.def("gguf_rows", &gguf_rows, "rows of a packed GGUF weight in float32: (packed, kind, in_features, ids)");
+  m.def("gguf_linear", &gguf_linear,
+        "x @ W.T (+ bias, float32) for packed GGUF weights side by side (their outputs concatenated), x's rows "
+        "quantized per 32 inputs to int8: (x, packed list, kinds, out_features list, bias) -> [m, sum out]");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (in place, when delta is given), returns rms_norm(residual) * weight: "
         "(residual, delta, weight, eps)");

@@ -388,27 +388,6 @@ void scale_rows_(torch::Tensor x, torch::Tensor row_scales, c10::optional<torch:
   });
 }
 
-// A GEMM's one parallel region over weights packed by groups of 16 output channels: each thread
-// first runs prologue(row_begin, row_end) on its share of the m rows (an int8 layer quantizes its
-// activations there), waits for the others, then runs body(group_begin, group_end) on its
-// consecutive groups (whole (gate, up) pairs when gated). One region rather than two
-// parallel_for calls: at decode sizes a layer is ~50-200 us and the second fork/join and a
-// one-thread quantization showed.
-template <typename Prologue, typename Body>
-static void parallel_gemm(int64_t m, int64_t groups, bool gated, const Prologue& prologue, const Body& body) {
-  // at least one thread: num_threads(0) is not valid OpenMP (a layer with no outputs still quantizes its rows)
-  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::clamp<int64_t>(groups, 1, at::get_num_threads()));
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-    prologue(m * thread / team, m * (thread + 1) / team);
-#pragma omp barrier
-    const int64_t pair = gated ? 2 : 1;
-    const int64_t chunk = ((groups + team - 1) / team + pair - 1) / pair * pair;
-    body(std::min(groups, thread * chunk), std::min(groups, (thread + 1) * chunk));
-  }
-}
-
 #if defined(__AVX512F__)
 // The cache lines of the next panel that one tile prefetches: a panel's groups are contiguous, so
 // its lines are one run of 64-byte lines; each tile of a panel takes an equal share, so the

@@ -3,6 +3,7 @@
 
 #include <torch/types.h>  // not torch/extension.h: pybind11 and the C++ API double the parse, per file
 
+#include <tuple>
 #include <vector>
 
 // attention.cpp
@@ -32,6 +33,12 @@ void rope_and_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 bool quantize_blocks(torch::Tensor src, torch::Tensor rows, torch::Tensor block_ids, int64_t kind, torch::Tensor data,
                      torch::Tensor key_scales, torch::Tensor value_scales);
 void copy_blocks_in(std::vector<torch::Tensor> pools, torch::Tensor block_ids, std::vector<torch::Tensor> payloads);
+
+// gguf_linear.cpp
+std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t ggml_type, int64_t k);
+torch::Tensor gguf_rows(torch::Tensor packed, int64_t kind, int64_t k, torch::Tensor ids);
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
+                          std::vector<int64_t> out_features, c10::optional<torch::Tensor> bias);
 
 // layers.cpp
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
