@@ -112,7 +112,10 @@ def _drive(vllm_python: str, base: str, tokenizer: Path, load: Load, result: Pat
                     "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99", "--disable-tqdm",
                     "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name],
                    check=True, stdout=subprocess.DEVNULL, stderr=log)
-    return dict(json.loads(result.read_text()))
+    saved = dict(json.loads(result.read_text()))
+    saved["tokenizer_id"] = MODEL[0]  # not the temporary folder it was saved to
+    result.write_text(json.dumps(saved))
+    return saved
 
 
 def run_server(name: str, command: list[str], port: int, vllm_python: str, tokenizer: Path, out: Path,
