@@ -251,21 +251,29 @@ void read_group(KindInfo k, const uint8_t* in, int32_t (*codes)[32], float* s, f
 constexpr int kStepOrder[4] = {0, 2, 1, 3};  // its own inverse
 
 struct QuantizedRows {
-  std::vector<int16_t> codes;
-  std::vector<float> scales, sums16;
+  int16_t* codes;
+  float* scales;
+  float* sums16;
   int64_t k;
-  const int16_t* row_codes(int64_t r) const { return codes.data() + r * k; }
-  const float* row_scales(int64_t r) const { return scales.data() + r * (k / 32); }
-  const float* row_sums(int64_t r) const { return sums16.data() + r * (k / 16); }
+  const int16_t* row_codes(int64_t r) const { return codes + r * k; }
+  const float* row_scales(int64_t r) const { return scales + r * (k / 32); }
+  const float* row_sums(int64_t r) const { return sums16 + r * (k / 16); }
+  // the scale of row r at input k0, and its sum over the weight group of `group` inputs there
+  float group_scale(int64_t r, int64_t k0) const { return row_scales(r)[k0 / 32]; }
+  float group_sum(int64_t r, int64_t k0, int group) const {
+    const float* sums = row_sums(r) + k0 / 16;
+    return group == 32 ? sums[0] + sums[1] : sums[0];
+  }
 };
 
 template <typename T>
 void quantize_rows_per32(const T* x, QuantizedRows& q, int64_t begin, int64_t end) {
   const int64_t k = q.k;
-  std::vector<float> row(k);
+  thread_local std::vector<float> row;  // kept by each thread: a layer call is tens of microseconds
+  row.resize(static_cast<size_t>(k));
   for (int64_t r = begin; r < end; ++r) {
     to_float(x + r * k, row.data(), k);
-    int16_t* codes = q.codes.data() + r * k;
+    int16_t* codes = q.codes + r * k;
     for (int64_t g = 0; g < k / 32; ++g) {
       const float* f = row.data() + 32 * g;
       float amax = 0.f;
@@ -293,7 +301,7 @@ struct Segment {  // one packed weight: its tiles write out's columns [column, c
 
 constexpr int64_t kRowBlock = 64;  // rows whose codes stay in L1/L2 while a thread's tiles pass
 
-// A tile's group's s and m for channel c (scalar path)
+// The portable path: each group unpacked to int32 codes, scalar sums per row and channel.
 template <typename Store>
 void tile_rows_scalar(const Segment& seg, const uint8_t* tile, const QuantizedRows& q, int64_t row, int64_t rows,
                       const Store& store) {
@@ -307,9 +315,7 @@ void tile_rows_scalar(const Segment& seg, const uint8_t* tile, const QuantizedRo
     const int64_t k0 = g * k.group;
     for (int64_t r = 0; r < rows; ++r) {
       const int16_t* x = q.row_codes(row + r) + k0;
-      const float xs = q.row_scales(row + r)[k0 / 32];
-      const float* sums = q.row_sums(row + r) + k0 / 16;
-      const float xsum = k.group == 32 ? sums[0] + sums[1] : sums[0];
+      const float xs = q.group_scale(row + r, k0), xsum = q.group_sum(row + r, k0, k.group);
       for (int c = 0; c < 16; ++c) {
         int32_t dot = 0;
         for (int j = 0; j < k.group; ++j) dot += codes[c][j] * x[(j & ~3) + kStepOrder[j & 3]];
@@ -412,9 +418,8 @@ __attribute__((always_inline)) inline void group_rows(const __m256i (*w)[2][2], 
                                                                    _mm256_madd_epi16(w[t][h][1], odd)));
     }
   for (int r = 0; r < MR; ++r) {
-    const __m256 xs = _mm256_set1_ps(q.row_scales(row + r)[k0 / 32]);
-    const float* sums = q.row_sums(row + r) + k0 / 16;
-    const __m256 xsum = _mm256_set1_ps(k.group == 32 ? sums[0] + sums[1] : sums[0]);
+    const __m256 xs = _mm256_set1_ps(q.group_scale(row + r, k0));
+    const __m256 xsum = _mm256_set1_ps(q.group_sum(row + r, k0, k.group));
     for (int h = 0; h < 2; ++h) {
       __m256 a = _mm256_fmadd_ps(s[h], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][h]), xs), _mm256_load_ps(acc[r] + 8 * h));
       if constexpr (k.has_min || k.offset != 0) a = _mm256_fmadd_ps(m[h], xsum, a);
@@ -478,7 +483,12 @@ void gguf_gemm(const T* x, T* out, int64_t m, int64_t k, const std::vector<Segme
                const float* bias) {
   std::vector<int64_t> first_tile{0};  // segment i's tiles: [first_tile[i], first_tile[i + 1])
   for (const Segment& seg : segments) first_tile.push_back(first_tile.back() + (seg.n + kTile - 1) / kTile);
-  QuantizedRows q{std::vector<int16_t>(m * k), std::vector<float>(m * k / 32), std::vector<float>(m * k / 16), k};
+  // the activations live only within this call: in a buffer the calling thread keeps (as
+  // int8_linear's), not allocated and zeroed at every call; codes as floats' words after the sums
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(m * k / 32 + m * k / 16 + (m * k + 1) / 2));
+  QuantizedRows q{reinterpret_cast<int16_t*>(scratch.data() + m * k / 32 + m * k / 16), scratch.data(),
+                  scratch.data() + m * k / 32, k};
   parallel_gemm(
       m, first_tile.back(), false, [&](int64_t begin, int64_t end) { quantize_rows_per32(x, q, begin, end); },
       [&](int64_t begin, int64_t end) {
@@ -600,13 +610,8 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> packed, st
                 "bias: float32 [out_features]");
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto out = torch::empty({m, columns}, x.options());
-  switch (x.scalar_type()) {
-    case torch::kFloat: gguf_gemm(x.data_ptr<float>(), out.data_ptr<float>(), m, k, segments, columns, b); break;
-    case torch::kBFloat16:
-      gguf_gemm(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), m, k, segments, columns, b);
-      break;
-    case torch::kHalf: gguf_gemm(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), m, k, segments, columns, b); break;
-    default: TORCH_CHECK(false, "x: float32, bfloat16 or float16");
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_linear", [&] {
+    gguf_gemm(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, k, segments, columns, b);
+  });
   return out;
 }
