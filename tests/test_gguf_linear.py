@@ -93,7 +93,7 @@ def test_packed_rows_are_gguf_dequantization(isa: str, tensor_type: GGMLQuantiza
 
 
 @pytest.mark.parametrize("tensor_type", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 66])
 def test_linear_matches_float_matmul(isa: str, tensor_type: GGMLQuantizationType, rows: int) -> None:
     """gguf_linear = x (as quantized to int16 per 32) @ the packed weight, to float32 rounding, and
     within 1e-4 of the float product: odd channel counts, every row-tile tail, two row blocks."""

@@ -5,9 +5,9 @@ Each quantized tensor (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is read f
 memory map and repacked once by the C++ ``gguf_pack`` into tiles of 16 output channels that keep
 every code's bits (csrc/gguf_linear.cpp says the layout), one tensor at a time, so no float copy
 of a weight ever exists. ``GGUFLinear`` runs ``gguf_linear``: each row of activations quantized
-per 32 inputs to int8 (llama.cpp's q8_0), int32 sums of code products per weight group, scales
-applied in float32; ``GGUFEmbedding`` reads its rows from the same packed tensor, which a tied
-LM head shares. Widening to float is ``--quantization none``.
+per 32 inputs to int16 (llama.cpp's 8-bit q8_0 parted SmolLM2's answers from float32's), exact
+int32 sums of code products per weight group, scales applied in float32; ``GGUFEmbedding``
+reads its rows from the same packed tensor, which a tied LM head shares. Widening to float is ``--quantization none``.
 """
 
 from __future__ import annotations
