@@ -14,7 +14,7 @@ TITLES = {"model": "Model", "cache": "KV cache", "scheduler": "Scheduler", "offl
 
 def _default(value: object) -> str:
     if value is None:
-        return "none"
+        return "unset"  # "none" is also a value some flags take (--quantization none)
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, tuple):
