@@ -408,9 +408,13 @@ class WeightReader:
         """A weight in float (a norm, a bias: never kept in blocks)."""
         return rows_as_float(self.take(name))
 
+    @staticmethod
+    def check_shape(got: tuple[int, ...], want: tuple[int, ...]) -> None:
+        if tuple(got) != tuple(want):
+            raise ModelLoadError(f"weight shape {tuple(got)} does not match {tuple(want)}")
+
     def put(self, param: Any, tensor: torch.Tensor) -> None:
-        if param.shape != tensor.shape:
-            raise ModelLoadError(f"weight shape {tuple(tensor.shape)} does not match {tuple(param.shape)}")
+        self.check_shape(tensor.shape, param.shape)
         param.copy_(tensor)
 
     def put_norm(self, param: Any, name: str) -> None:
@@ -443,8 +447,7 @@ class WeightReader:
         if not isinstance(weight, GGUFWeight):
             self.put(embedding.weight, weight)
             return
-        if weight.shape != tuple(embedding.weight.shape):
-            raise ModelLoadError(f"weight shape {weight.shape} does not match {tuple(embedding.weight.shape)}")
+        self.check_shape(weight.shape, embedding.weight.shape)
         from kvserve.model.gguf_linear import GGUFEmbedding, PackedWeight
 
         setattr(owner, name, GGUFEmbedding(PackedWeight.of(weight)))

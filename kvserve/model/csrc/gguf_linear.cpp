@@ -509,6 +509,16 @@ __attribute__((always_inline)) inline void group_rows(const __m256i (*w)[2][2], 
   add_group<Kind, MR>(isum, s, m, q, row, k0, acc);
 }
 
+// The same for 1 or 2 rows straight from the codes (direct_sums)
+template <int64_t Kind, int MR>
+__attribute__((always_inline)) inline void direct_rows(const uint8_t* gp, const __m256 (&s)[2], const __m256 (&m)[2],
+                                                       const QuantizedRows& q, int64_t row, int64_t k0,
+                                                       float (*acc)[16]) {
+  __m256i isum[MR][2];
+  direct_sums<Kind, MR>(gp, q, row, k0, isum);
+  add_group<Kind, MR>(isum, s, m, q, row, k0, acc);
+}
+
 // How far ahead of the group in hand its thread's weights are prefetched (a thread's tiles are
 // contiguous): at one row the hardware prefetchers alone kept ~14 GB/s of weights coming on an
 // AVX2 EPYC, 23 GB/s with 4 KiB ahead in L1 (1 KiB: 20).
@@ -532,16 +542,9 @@ void tile_rows_kind(const uint8_t* tile, const QuantizedRows& q, int64_t row, in
       else m[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-static_cast<float>(k.offset)));
     }
     const int64_t k0 = g * k.group;
-    if (rows == 1 || rows == 2) {  // decode sizes: the codes widened in registers, used at once
-      if (rows == 1) {
-        __m256i isum[1][2];
-        direct_sums<Kind, 1>(gp, q, row, k0, isum);
-        add_group<Kind, 1>(isum, s, m, q, row, k0, acc);
-      } else {
-        __m256i isum[2][2];
-        direct_sums<Kind, 2>(gp, q, row, k0, isum);
-        add_group<Kind, 2>(isum, s, m, q, row, k0, acc);
-      }
+    if (rows <= 2) {  // decode sizes: the codes widened in registers, used at once
+      if (rows == 1) direct_rows<Kind, 1>(gp, s, m, q, row, k0, acc);
+      else direct_rows<Kind, 2>(gp, s, m, q, row, k0, acc);
       continue;
     }
     widen_group<Kind>(gp, w);
