@@ -26,12 +26,13 @@ def export(out: str, num_tokens: int, context: int) -> None:
     import torch
 
     from kvserve.engine.loading import load_model
+    from kvserve.model.tokenizer import chat_token_ids
     from kvserve.quant.data import read_samples, token_stream
 
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32)
     tokenizer = loaded.tokenizer
     tokens = token_stream(read_samples("builtin:python-reference"), lambda t: list(tokenizer.encode(t)),
-                          lambda m: list(tokenizer.apply_chat_template(m, tokenize=True)), num_tokens)
+                          lambda m: chat_token_ids(tokenizer, m), num_tokens)
     windows = [tokens[i : i + context] for i in range(0, num_tokens, context)]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps({"model_path": str(loaded.path), "windows": windows}))

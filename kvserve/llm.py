@@ -13,6 +13,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.loading import LoadedModel
 from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.model.tokenizer import chat_token_ids
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -28,13 +29,6 @@ def _setup_logging() -> None:
 
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of ``messages`` in the model's chat template, as the server encodes them
-    (the rendered text, no extra BOS: the template has its own)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 class LLM:
     """A paged-KV engine over one model. Keyword arguments are EngineConfig fields."""

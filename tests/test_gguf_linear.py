@@ -274,6 +274,7 @@ def test_qwen_chat_template_through_the_server(qwen05: LoadedModel) -> None:
     import openai
 
     from kvserve.config import EngineConfig
+    from kvserve.model.tokenizer import chat_token_ids
     from kvserve.server.app import ServerConfig
     from kvserve.server.serve import build
     from tests.conftest import serve_in_thread
@@ -290,8 +291,8 @@ def test_qwen_chat_template_through_the_server(qwen05: LoadedModel) -> None:
     finally:
         stop()
         engine.shutdown()
-    tokenizer = qwen05.tokenizer
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    tokenizer = qwen05.tokenizer  # the same renderings as transformers': test_tokenizer
+    prompt = chat_token_ids(tokenizer, messages)
     assert "<|im_start|>system" in tokenizer.decode(prompt) and reply.usage is not None
     assert reply.usage.prompt_tokens == len(prompt)
     answer = reply.choices[0].message.content or ""

@@ -193,7 +193,7 @@ class Ingress:
     def block_keys(self, path: str, body: bytes) -> tuple[bytes, ...]:
         """The prompt's chained block keys as the replica will compute them; none when the
         body is not a valid completion request (the replica answers that with a 400)."""
-        from kvserve.llm import chat_token_ids
+        from kvserve.model.tokenizer import chat_token_ids
         from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
         if self.tokenizer is None or path not in COMPLETION_PATHS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +22,7 @@ from kvserve.model.int8_linear import Int8Embedding, fuse_norms_into_int8, quant
 from kvserve.model.llama import LlamaForCausalLM, fuse_swiglu, pack_linears_for_cpu, weights_uninitialized
 from kvserve.model.loader import ModelConfig, load_checkpoint_blocks, load_tokenizer, resolve_model_path
 from kvserve.model.rotation import rotate_residual_stream, run_time_rotations
+from kvserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +32,7 @@ class LoadedModel(NamedTuple):
     path: Path
     config: ModelConfig
     model: LlamaForCausalLM
-    tokenizer: Any | None
+    tokenizer: Tokenizer | None
     weight_bytes: int
     fingerprint: str  # see kvserve.cache.kv_scales.model_fingerprint
     quantization: str | None = None  # as asked (None: by the checkpoint)

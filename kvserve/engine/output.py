@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SampleResult
+from kvserve.model.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class OutputProcessor:
     """``streams(request_id)``: the request streams (StreamingLLM), so no length limit applies
     to it but max_tokens (its attention spans stay within the window)."""
 
-    def __init__(self, tokenizer: Any | None, eos_token_ids: set[int], max_model_len: int,
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int], max_model_len: int,
                  streams: Callable[[str], bool]) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.max_model_len, self.streams = max_model_len, streams

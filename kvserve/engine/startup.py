@@ -108,8 +108,9 @@ class EngineStartup:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        if model_config.is_gemma and self.tokenizer is not None:  # a chat turn ends with <end_of_turn>
-            self.eos_token_ids.add(self.tokenizer.convert_tokens_to_ids("<end_of_turn>"))
+        end_of_turn = self.tokenizer.token_to_id("<end_of_turn>") if self.tokenizer is not None else None
+        if model_config.is_gemma and end_of_turn is not None:  # a chat turn ends with <end_of_turn>
+            self.eos_token_ids.add(end_of_turn)
 
     def _draft_model(self) -> DraftModel | None:
         """The model that drafts (speculative_config method draft_model or layer_skip)."""

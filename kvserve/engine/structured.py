@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvserve.model.tokenizer import Tokenizer
+
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 
 
@@ -64,19 +66,18 @@ class Grammar:
 class GrammarCompiler:
     """Compiles requests' grammars over one tokenizer (its llguidance view built at first use)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self._ll_tokenizer: Any = None
 
     def compile(self, output: StructuredOutput) -> Grammar:
         """A fresh Grammar for one request; GrammarError names what does not compile."""
         import llguidance
-        import llguidance.hf
 
         if self.tokenizer is None:
             raise GrammarError("structured output needs the model's tokenizer")
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+            self._ll_tokenizer = self.tokenizer.llguidance(self.vocab_size)
         try:
             grammar = _grammar_text(output)
         except ValueError as exc:  # llguidance's own complaint (a schema that is not JSON, a bad choice list)

@@ -7,8 +7,6 @@ serves both formats.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +18,7 @@ import torch
 
 from kvserve.model.chunked import CHUNKED_MODELS, assemble
 from kvserve.model.gguf_file import GGUFFile, GGUFWeight, dequantize, keeps_quantized
+from kvserve.model.tokenizer import HF_TOKENIZER_FILES, Tokenizer, load_cached
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {
@@ -411,37 +410,26 @@ def load_checkpoint_blocks(path: Path, keep_quantized: bool = True) -> tuple[Mod
     return config, {k: v.float() for k, v in _hf_weights(path).items()}
 
 
-def _gguf_tokenizer(path: Path) -> Any:
-    """A GGUF file's tokenizer. Converting a large vocabulary from GGUF takes seconds (12 s for
-    Gemma 3's 262k tokens here), so the converted tokenizer is kept under ~/.cache/kvserve,
-    keyed by the file's path, size and modification time, and read back from there (2 s)."""
-    from transformers import AutoTokenizer
-
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "tokenizers" / key
-    if (cache / "tokenizer_config.json").exists():
-        try:
-            return AutoTokenizer.from_pretrained(str(cache))
-        except (OSError, ValueError):
-            pass  # a damaged cache entry: convert again
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    with contextlib.suppress(OSError):  # no writable cache: convert every time
-        tokenizer.save_pretrained(str(cache))
-    return tokenizer
-
-
-def load_tokenizer(path: Path) -> Any | None:
-    """The tokenizer (and chat template) stored with the model; None if there is none."""
-    from transformers import AutoTokenizer
-
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer (and chat template) stored with the model; None if there is none.
+    Transformers converts it once (12 s for Gemma 3's 262k-token GGUF vocabulary here); later
+    loads read the converted copy without transformers (kvserve.model.tokenizer)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.suffix == ".gguf":
-        tokenizer = _gguf_tokenizer(path)
-    elif any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        files = [path]
     else:
-        return None
-    if tokenizer.chat_template is None and "<start_of_turn>" in tokenizer.get_vocab():
+        files = [path / name for name in HF_TOKENIZER_FILES if (path / name).exists()]
+        if not files:
+            return None
+
+    def build() -> Any:
+        from transformers import AutoTokenizer
+
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+
+    tokenizer = load_cached(files, build)
+    if tokenizer.chat_template is None and tokenizer.token_to_id("<start_of_turn>") is not None:
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     return tokenizer

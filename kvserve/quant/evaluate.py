@@ -25,7 +25,7 @@ from kvserve.cache.kv_groups import cdiv
 from kvserve.config import KV_EVICTION, KV_KEY_SCALES, QUANTIZATION_METHODS, ConfigError, EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.loading import LoadedModel, load_model
-from kvserve.llm import chat_token_ids
+from kvserve.model.tokenizer import chat_token_ids
 from kvserve.quant.data import read_samples, token_stream
 
 

@@ -8,7 +8,6 @@ disturbs the others."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import json
 import time
@@ -26,6 +25,7 @@ from kvserve.cache.kv_stats import SpecDecodeStats
 from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.cpu_kernels import ops_isa
+from kvserve.model.tokenizer import chat_token_ids
 from kvserve.server.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
@@ -123,9 +123,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.server_config = config  # read per request: limits can be adjusted at run time
     metrics = ServerMetrics(engine, config.tuned_workload)
     engine.on_step = metrics.on_step
-    # The engine thread owns the engine's tokenizer (it detokenizes every step); handlers run on
-    # the event loop's thread and use a copy of their own: fast tokenizers are not thread-safe.
-    tokenizer = copy.deepcopy(engine.engine.tokenizer)
+    # Handlers on the event loop's thread share the engine thread's tokenizer: it is immutable.
+    tokenizer = engine.engine.tokenizer
     token_text = TokenText(tokenizer)
     max_model_len = engine.engine.max_model_len
 
@@ -340,16 +339,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     def _chat_tokens(messages: list[dict[str, Any]], add_generation_prompt: bool,
                      tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The template's rendering; ``tools`` go to it as HF templates take them (templates
-        without tool support leave them out)."""
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        if tokenizer is None or tokenizer.chat_template is None:
             raise APIError(400, "this model has no tokenizer or chat template", param="messages")
         try:
-            text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            ids = chat_token_ids(tokenizer, messages, add_generation_prompt, tools or None)
         except Exception as exc:  # the template's own complaint (jinja2 raises its own types)
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
-        return _encode(text, add_special_tokens=False)  # as LLM.chat does: the template has its own BOS
+        return ids
 
     def _chat_turn(body: ChatCompletionRequest, text: str, finish_reason: str | None
                    ) -> tuple[dict[str, Any], str | None]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Any
+
+from kvserve.model.tokenizer import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -32,10 +33,10 @@ def _byte_of_char() -> dict[str, int]:
 
 
 class TokenText:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         # byte-level vocabularies spell the space byte as U+0120 ("Ġ")
-        self.byte_level = tokenizer is not None and tokenizer.convert_tokens_to_ids("Ġ") != tokenizer.unk_token_id
+        self.byte_level = tokenizer is not None and tokenizer.token_to_id("Ġ") is not None
         self._bytes: dict[int, bytes] = {}
 
     def bytes_of(self, token: int) -> bytes:
@@ -44,7 +45,7 @@ class TokenText:
             return cached
         if self.tokenizer is None:
             return str(token).encode()
-        spelling = self.tokenizer.convert_ids_to_tokens(token)
+        spelling = self.tokenizer.id_to_token(token)
         table = _byte_of_char()
         match = _BYTE_TOKEN.fullmatch(spelling) if isinstance(spelling, str) else None
         if match:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 from kvserve.bench.datasets import Sample, build_samples
 from kvserve.bench.sweep import percentiles
 from kvserve.cache.prefix_cache import prompt_block_hashes
-from kvserve.llm import chat_token_ids
+from kvserve.model.tokenizer import chat_token_ids
 
 PREFIX_BLOCK = 16  # the prefix share is counted in blocks of this many tokens, as a cache would hit them
 
