@@ -86,10 +86,9 @@ def smollm_float() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def hf_smollm(smollm: LoadedModel) -> Any:
-    from transformers import AutoModelForCausalLM
+    from kvserve.quant.reference import load_reference
 
-    path = smollm.path
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return load_reference(smollm.path)
 
 
 TINY = {

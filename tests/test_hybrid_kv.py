@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
@@ -19,17 +18,9 @@ from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, group_layers
 from kvserve.engine.loading import LoadedModel
 from kvserve.plan.planner import plan
 from kvserve.plan.spec import ModelSpec
-from kvserve.quant.reference import reference_greedy
+from kvserve.quant.reference import load_reference, reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def hf_model(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def test_groups_split_layers_like_vllm() -> None:
@@ -76,7 +67,7 @@ def tiny_gemma(tiny_model_factory: Callable[..., Path]) -> tuple[Path, list[list
     shared = [rng.randrange(3, 256) for _ in range(24)]
     prompts = [shared + [rng.randrange(3, 256) for _ in range(16)], [rng.randrange(3, 256) for _ in range(33)],
                shared + [rng.randrange(3, 256) for _ in range(33)]]
-    hf = hf_model(path)
+    hf = load_reference(path)
     return path, prompts, [reference_greedy(hf, p, GREEDY.max_tokens)[0] for p in prompts]
 
 
@@ -150,7 +141,7 @@ def test_gemma3_long_prompts_match_transformers(gemma: LoadedModel) -> None:
     forces preemption, then again from the prefix cache, then one alone: transformers' tokens
     (fp32, same GGUF), while the sliding layers really dropped their early blocks."""
     prompts = long_prompts(gemma.tokenizer)
-    hf = hf_model(gemma.path)
+    hf = load_reference(gemma.path)
     want = [reference_greedy(hf, p, 8)[0] for p in prompts]
     del hf
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
