@@ -13,7 +13,7 @@ from kvserve.cache.kv_disk import DiskTier
 from kvserve.cache.kv_groups import FULL_ATTENTION, KVCacheSpec, capacity_tokens, cdiv
 from kvserve.cache.kv_offload import OffloadManager
 from kvserve.cache.kv_plan import GroupBlocks, RequestBlocks, StorageWork
-from kvserve.cache.kv_retention import Compacted, Eviction, RetentionPolicy, Streaming, StreamingWindow, retention_for
+from kvserve.cache.kv_retention import Compacted, Eviction, RetentionPolicy, StreamingWindow, retention_for
 from kvserve.cache.kv_stats import KVCacheStats, PeakUsage, usage_snapshot
 from kvserve.cache.kv_tiers import TierIndex
 from kvserve.cache.prefix_cache import CachedBlock, CachedPrefix, PrefixCache, TokenReader
@@ -143,9 +143,9 @@ class KVCacheManager:
         token starts in: a block quantized when it fills could not take back a rejected token
         (with block_size 1 a block holds one token and is freed whole)."""
         record = self.requests.get(request_id)
-        rooms = []
-        if record is not None and isinstance(record.policies[0], Streaming):
-            rooms.append(record.policies[0].lookahead_room(first_query, record.evicted, self.block_size))
+        rooms = [] if record is None else [
+            room for policy in record.policies
+            if (room := policy.lookahead_room(first_query, record.evicted, self.block_size)) is not None]
         if self.tail_blocks and self.block_size > 1:
             evicted = record.evicted if record is not None else 0
             rooms.append(self.block_size - 1 - (first_query + 1 - evicted) % self.block_size)
@@ -197,12 +197,14 @@ class KVCacheManager:
         released ones are the null block, the rest are freed now, so every group keeps one cache
         position per token."""
         record = self.requests.get(request_id)
-        if record is None or record.tables is None or not isinstance(record.policies[0], Streaming):
+        if record is None or record.tables is None:
             return None
-        window, size, evicted = record.policies[0].window, self.block_size, record.evicted
+        size, evicted = self.block_size, record.evicted
         drop = record.policies[0].blocks_to_evict(first_query, evicted, size)
         if drop <= 0:
             return None
+        window = record.window
+        assert window is not None, "only a streaming request's policy evicts"
         sinks = window.sink_blocks(size)
         before = record.stored_tokens(size)
         for group, table in enumerate(record.tables):

@@ -74,6 +74,17 @@ class RetentionPolicy(ABC):
         """Blocks a sequence holds at its peak while it computes up to ``num_tokens`` positions
         in chunks of at most ``chunk`` tokens."""
 
+    def blocks_to_evict(self, first_query: int, evicted: int, block_size: int) -> int:
+        """Blocks between the kept ends of the table to evict before a query at absolute
+        ``first_query``, for a request that has evicted ``evicted`` tokens so far (only
+        streaming evicts)."""
+        return 0
+
+    def lookahead_room(self, first_query: int, evicted: int, block_size: int) -> int | None:
+        """How many positions past ``first_query`` a chunk may carry (speculative drafts); None:
+        this policy sets no bound."""
+        return None
+
     def longest_hit(self, length: int, block_size: int, cached: Callable[[int], bool]) -> int:
         """The longest cached prefix of at most ``length`` blocks this group can start from, given
         which of its blocks are ``cached``: every block the next query reads must be."""
@@ -131,15 +142,13 @@ class Streaming(RetentionPolicy):
         return min(cdiv(num_tokens, block_size), self.window.blocks_held(block_size, chunk))
 
     def blocks_to_evict(self, first_query: int, evicted: int, block_size: int) -> int:
-        """Blocks between the sinks and the window of a query at absolute ``first_query``, for a
-        request that has evicted ``evicted`` tokens so far."""
+        """The blocks between the sinks and the window."""
         sinks = self.window.sink_blocks(block_size)
         return max(0, (first_query - self.window.window + 1) // block_size - sinks - evicted // block_size)
 
     def lookahead_room(self, first_query: int, evicted: int, block_size: int) -> int:
-        """How many positions past ``first_query`` a chunk may carry (speculative drafts) so that
-        each of its queries sees the very blocks it would see decoding one token a step: none
-        of them is due an eviction that the first query's is not."""
+        """So that each of a chunk's queries sees the very blocks it would see decoding one token
+        a step: none of them is due an eviction that the first query's is not."""
         evicted += self.blocks_to_evict(first_query, evicted, block_size) * block_size  # as the hook will
         last = (self.window.sink_blocks(block_size) + evicted // block_size + 1) * block_size + self.window.window - 2
         return max(0, last - first_query)
