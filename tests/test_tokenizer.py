@@ -57,6 +57,7 @@ def test_same_ids_text_and_chat_as_transformers(model: str) -> None:
 def test_loads_without_transformers() -> None:
     """Once converted, a model's tokenizer loads and encodes in a process that never imports
     transformers (it cost seconds of every start-up)."""
+    assert load_tokenizer(resolve_model_path("smollm2-135m")) is not None  # converted here if not yet
     code = ("import sys\nfrom kvserve.model.loader import load_tokenizer, resolve_model_path\n"
             "tok = load_tokenizer(resolve_model_path('smollm2-135m'))\n"
             "assert tok.decode(tok.encode('Hello world')) == 'Hello world'\n"
