@@ -84,6 +84,20 @@ def test_an_hf_folder_is_converted_once_and_a_damaged_copy_again(tmp_path: Path,
     assert load_tokenizer(tmp_path) is None  # no tokenizer files: the model has none
 
 
+def test_saved_folder_carries_the_template_in_use(tmp_path: Path) -> None:
+    """A template set after loading (Gemma's fallback, where the file has none) is the one a
+    saved folder gives transformers (and vLLM, which exports through it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2-135m"))
+    assert tokenizer is not None
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    tokenizer.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(messages) == "[hi]"
+
+
 def test_threads_share_one_tokenizer() -> None:
     """The engine thread and the server's handlers use one instance: concurrent encodes and
     decodes give what one thread alone gets."""

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -143,6 +144,8 @@ class Tokenizer:
             for item in self.source.iterdir():
                 if item.is_file():
                     shutil.copyfile(item, folder / item.name)
+            if self.chat_template is not None:  # the one in use: a fallback (Gemma's) is not in the source
+                (folder / "chat_template.jinja").write_text(self.chat_template)
             return
         self.backend.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps({
@@ -221,7 +224,7 @@ def _convert(hf: Any, folder: Path) -> Tokenizer:
     return tokenizer
 
 
-def load_cached(files: list[Path], build: Any) -> Tokenizer:
+def load_cached(files: list[Path], build: Callable[[], Any]) -> Tokenizer:
     """The tokenizer converted from ``files``: read from the cache when a whole copy is there,
     else ``build()`` (a transformers tokenizer) converted and kept."""
     folder = _cache_root() / _source_key(files)
